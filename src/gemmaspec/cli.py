@@ -1,0 +1,127 @@
+"""The ``gemmaspec`` command.
+
+``gemmaspec generate`` streams generated text (never the prompt) to stdout and writes one stats line
+(and, with speculation, llama-server's acceptance line) to stderr. ``gemmaspec inspect MODEL`` prints
+what a model file holds. Errors are one line on stderr and exit status 1; usage errors exit 2.
+Flags follow llama.cpp's ``llama-cli`` / ``llama-server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .errors import GemmaspecError
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None, help="GGUF model file (default: the embedded Gemma 3 270M)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (0 = the model's; default 4096)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default auto)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="gemmaspec", description="Gemma models with speculative decoding.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _add_common(g)
+    g.add_argument("-p", "--prompt", required=True, help="the prompt text ('-' reads standard input)")
+    g.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until a stop; default 128)")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
+    g.add_argument("--top-p", type=float, default=0.95, help="top-p, 1 = off (default 0.95)")
+    g.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default 0.05)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty, 1 = off (default 1.0)")
+    g.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back over (default 64)")
+    g.add_argument("-s", "--seed", type=int, default=-1, help="random seed, -1 = random (default -1)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("-sys", "--system-prompt", default=None, help="system message for --chat")
+
+    i = sub.add_parser("inspect", help="print a model file's architecture, config and tensor types")
+    i.add_argument("model", help="GGUF model file")
+    return ap
+
+
+def _cmd_generate(args) -> int:
+    from .loader import load_engine
+    from .engine import RequestStats
+    from .sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                            max_tokens=args.n_predict, seed=args.seed, stop=tuple(args.stop)).validate()
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    t0 = time.perf_counter()
+    engine = load_engine(args.model, ctx_size=args.ctx_size, device=args.device, threads=args.threads)
+    load_s = time.perf_counter() - t0
+    ids = engine.encode_prompt(prompt, chat=args.chat, system=args.system_prompt)
+    engine.check_prompt(ids)
+    stats = RequestStats()
+    out = sys.stdout
+    for ev in engine.generate(ids, params, stats=stats):
+        out.write(ev.text)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    print(f"load {load_s:.2f} s | {stats.line()}", file=sys.stderr)
+    return 0
+
+
+def _cmd_inspect(args) -> int:
+    from collections import Counter
+    import dataclasses
+
+    from .loading.gguf import architecture_of, config_from_reader, open_reader
+    from pathlib import Path
+
+    path = Path(args.model)
+    reader = open_reader(path)
+    arch = architecture_of(reader)
+    print(f"file: {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    print(f"architecture: {arch}")
+    name = reader.fields.get("general.name")
+    if name is not None:
+        print(f"name: {name.contents()}")
+    cfg = config_from_reader(reader, path)
+    print("config:")
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name == "layer_types":
+            v = "".join("F" if t == "full" else "s" for t in v) + "  (s = sliding window, F = full attention)"
+        print(f"  {f.name}: {v}")
+    counts = Counter(t.tensor_type.name for t in reader.tensors)
+    nbytes = Counter()
+    for t in reader.tensors:
+        nbytes[t.tensor_type.name] += int(t.n_bytes)
+    print(f"tensors: {len(reader.tensors)}")
+    for ty, n in counts.most_common():
+        print(f"  {ty:6s} {n:4d} tensors  {nbytes[ty] / 1e6:8.1f} MB")
+    tok = reader.fields.get("tokenizer.ggml.tokens")
+    print(f"tokenizer: {reader.fields['tokenizer.ggml.model'].contents() if 'tokenizer.ggml.model' in reader.fields else '?'}, "
+          f"{len(tok.data) if tok is not None else 0} tokens, chat template: "
+          f"{'yes' if 'tokenizer.chat_template' in reader.fields else 'no (built-in Gemma template used)'}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _cmd_generate(args)
+        return _cmd_inspect(args)
+    except GemmaspecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

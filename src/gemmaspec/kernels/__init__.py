@@ -1,0 +1,191 @@
+"""Block-quantized weights and the CPU kernels that multiply by them.
+
+A :class:`QuantizedWeight` holds a weight matrix W [N, K] as int8 values ``q`` [N, K], an fp32
+``scale`` [N, K/G] and an optional fp32 ``offset`` [N, K/G] (G = 16 or 32 values per block), so that
+``W[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G]``. GGML's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K and Q6_K blocks all convert to this form without rounding
+(:mod:`gemmaspec.loading.ggml_blocks`).
+
+Products with few rows (decode, speculative verify: M <= ``SMALL_M``) run in ``qmatmul.c``, a C
+kernel compiled once per machine into the gemmaspec cache with the system C compiler (``cc``); it
+reads the int8 weights straight from memory and multiplies them with fp32 activations (activations
+are never quantized). Larger products (prefill) dequantize to fp32 and use ``torch.nn.functional
+.linear``. Without a C compiler, or with ``GEMMASPEC_NO_KERNELS=1``, every product uses the
+dequantized fp32 matrix, kept in memory: correct, slower, four times the memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..paths import cache_home
+
+log = logging.getLogger(__name__)
+
+SMALL_M = 16  # at most this many rows go through the C kernel
+_SRC = Path(__file__).with_name("qmatmul.c")
+_lib = None
+_lib_tried = False
+_lock = threading.Lock()
+
+
+def _compile(out: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise OSError("no C compiler (cc or gcc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(_SRC), "-o", str(tmp_so)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise OSError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:500]}")
+        os.replace(tmp_so, out)  # atomic: a concurrent process sees the whole file or none
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), so a cache shared between machines never runs code built
+    with ``-march=native`` for another processor."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def load_library():
+    """The compiled kernel library (a ``ctypes.CDLL``), or None when it cannot be had.
+
+    Compiles ``qmatmul.c`` on first use (about 1 s) into ``<cache>/kernels/``; the file name holds
+    a hash of the source, the compiler flags, the machine and the Python version, so a change of any
+    of them rebuilds it.
+    """
+    global _lib, _lib_tried
+    if _lib_tried:
+        return _lib
+    with _lock:
+        if _lib_tried:
+            return _lib
+        _lib_tried = True
+        if os.environ.get("GEMMASPEC_NO_KERNELS") == "1":
+            return None
+        key = hashlib.sha256(
+            _SRC.read_bytes() + f"|-O3 -march=native -fopenmp|{os.uname().machine}|{_cpu_flags()}".encode()
+        ).hexdigest()[:16]
+        so = cache_home() / "kernels" / f"qmatmul-{key}.so"
+        try:
+            if not so.exists():
+                _compile(so)
+            lib = ctypes.CDLL(str(so))
+        except OSError as exc:  # no compiler, or a broken build: fall back to torch
+            log.warning("gemmaspec: C kernels unavailable (%s); using slower torch matmuls", exc)
+            return None
+        P, I = ctypes.c_void_p, ctypes.c_int
+        lib.gs_qmatmul.argtypes = [P, P, P, I, I, I, P, P, I, P, I]
+        lib.gs_qmatmul.restype = None
+        lib.gs_dequant.argtypes = [P, P, P, I, I, I, P, I]
+        lib.gs_dequant.restype = None
+        lib.gs_block_sums.argtypes = [P, I, I, I, P]
+        lib.gs_block_sums.restype = None
+        _lib = lib
+        return _lib
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+class QuantizedWeight:
+    """A weight matrix W [N, K] stored as int8 blocks (see the module docstring).
+
+    Args:
+        q: int8 [N, K]; values as stored in the file's blocks.
+        scale: float32 [N, K // group].
+        offset: float32 [N, K // group] or None.
+        group: 16 or 32 (values per block along K).
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit together.
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int):
+        n, k = q.shape
+        if q.dtype != torch.int8 or scale.dtype != torch.float32 or k % group or group % 16:
+            raise ValueError(f"bad quantized weight: q {q.dtype} {tuple(q.shape)}, group {group}")
+        if tuple(scale.shape) != (n, k // group) or (offset is not None and offset.shape != scale.shape):
+            raise ValueError(f"bad quantized weight: scale {tuple(scale.shape)} for q {tuple(q.shape)}")
+        self.q, self.scale, self.offset, self.group = q.contiguous(), scale.contiguous(), offset, group
+        if offset is not None:
+            self.offset = offset.contiguous()
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """W as float32 [N, K], on the weight's device."""
+        n, k = self.q.shape
+        lib = load_library() if self.q.device.type == "cpu" else None
+        if lib is not None:
+            out = torch.empty(n, k, dtype=torch.float32)
+            lib.gs_dequant(_ptr(self.q), _ptr(self.scale), _ptr(self.offset), n, k, self.group, _ptr(out),
+                           torch.get_num_threads())
+            return out
+        w = self.q.view(n, k // self.group, self.group).float() * self.scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[..., None]
+        return w.view(n, k)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W as float32 [*ids.shape, K] (an embedding lookup)."""
+        n, k = self.q.shape
+        g = self.group
+        w = self.q[ids].view(-1, k // g, g).float() * self.scale[ids].view(-1, k // g, 1)
+        if self.offset is not None:
+            w = w + self.offset[ids].view(-1, k // g, 1)
+        return w.view(*ids.shape, k)
+
+    def to(self, device: torch.device | str) -> "QuantizedWeight":
+        d = torch.device(device)
+        off = None if self.offset is None else self.offset.to(d)
+        return QuantizedWeight(self.q.to(d), self.scale.to(d), off, self.group)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for x float32 [..., K] → float32 [..., N]."""
+        n, k = self.q.shape
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        lib = load_library() if x.device.type == "cpu" else None
+        if lib is None or m > SMALL_M:
+            if self._dense is None and (lib is None):
+                self._dense = self.dequantize()  # no kernel: keep the fp32 matrix
+            w = self._dense if self._dense is not None else self.dequantize()
+            return F.linear(x, w)
+        x2 = x2.float().contiguous()
+        xsum = None
+        if self.offset is not None:
+            xsum = torch.empty(m, k // self.group, dtype=torch.float32)
+            lib.gs_block_sums(_ptr(x2), m, k, self.group, _ptr(xsum))
+        y = torch.empty(m, n, dtype=torch.float32)
+        lib.gs_qmatmul(_ptr(self.q), _ptr(self.scale), _ptr(self.offset), n, k, self.group, _ptr(x2),
+                       _ptr(xsum), m, _ptr(y), torch.get_num_threads())
+        return y.view(*lead, n)

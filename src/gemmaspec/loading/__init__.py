@@ -1,0 +1,1 @@
+"""Checkpoint loading: GGUF (llama.cpp) files and the default model."""

@@ -1,0 +1,109 @@
+"""The contract every model file implements, and the small ops they share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..kernels import QuantizedWeight
+from ..kv_cache import KVCache
+
+Weight = "QuantizedWeight | torch.Tensor"
+
+
+@dataclass
+class ForwardOutput:
+    """What one forward returns.
+
+    Attributes:
+        logits: float32 [T', vocab]; T' = 1 (last position) or T (every position), per the call.
+        hidden: float32 [T, hidden_size], the hidden state after the final norm (what an MTP
+            drafter reads).
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class CausalLM(Protocol):
+    """A decoder-only language model over one sequence with a KV cache."""
+
+    config: object
+
+    def new_cache(self, capacity: int, max_rollback: int = 16) -> KVCache: ...
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool = False) -> ForwardOutput:
+        """Run tokens int64 [T] at positions cache.length .. cache.length+T-1, append them to the
+        cache, and return logits for the last position (or all with ``all_logits``)."""
+        ...
+
+
+def linear(w, x: torch.Tensor) -> torch.Tensor:
+    """x float32 [..., K] @ W.T for a :class:`QuantizedWeight` or a dense float32 [N, K] tensor."""
+    if isinstance(w, QuantizedWeight):
+        return w(x)
+    return torch.nn.functional.linear(x, w)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float32 (weight None: no scale)."""
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: float = 1.0,
+                 rotary_dim: int | None = None):
+    """cos/sin float32 [T, head_dim] for rotate-half RoPE (transformers ``rotate_half`` layout).
+
+    ``rotary_dim`` < head_dim rotates only the first frequencies ("proportional" partial RoPE,
+    Gemma 4 global layers): the remaining frequencies get cos 1, sin 0.
+    """
+    rdim = head_dim if rotary_dim is None else rotary_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rdim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    if rdim < head_dim:
+        pad = torch.zeros(head_dim // 2 - rdim // 2, device=positions.device)
+        inv_freq = torch.cat([inv_freq, pad])
+    inv_freq = inv_freq / scaling
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by cos/sin [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              scale: float, window: int | None, softcap: float | None = None) -> torch.Tensor:
+    """Grouped-query attention for one sequence.
+
+    Args:
+        q: float32 [T, H, D]; k, v: float32 [L, Hkv, D] (H a multiple of Hkv).
+        q_pos: int64 [T]; k_pos: int64 [L] absolute positions (causal mask from them).
+        window: sliding window (a key is seen when q_pos - k_pos < window) or None.
+
+    Returns:
+        float32 [T, H, D].
+    """
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    # [Hkv, g*T, D]: the query heads that share a K/V head ride in one matmul
+    qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
+    scores = torch.matmul(qg, k.permute(1, 2, 0)) * scale  # [Hkv, g*T, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    diff = q_pos[:, None] - k_pos[None, :]  # [T, L]
+    allowed = diff >= 0
+    if window is not None:
+        allowed &= diff < window
+    if not bool(allowed.all()):
+        scores = scores.view(hkv, g, t, -1).masked_fill(~allowed, float("-inf")).view(hkv, g * t, -1)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.permute(1, 0, 2))  # [Hkv, g*T, D]
+    return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, h, d)

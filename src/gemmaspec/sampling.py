@@ -1,0 +1,145 @@
+"""Sampling: turning a position's logits into a token (or a distribution to verify against).
+
+The chain follows llama.cpp's default sampler order (``common/sampling.cpp``): repetition penalty →
+top-k → top-p → min-p → temperature → draw. Temperature 0 is greedy (argmax; ties go to the lowest
+id). Random draws use a NumPy PCG64 generator in float64 so the same seed gives the same text, and so
+speculative rejection sampling and plain sampling draw from the same kind of stream.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Generation parameters, with llama.cpp's defaults.
+
+    Attributes:
+        temperature: 0 for greedy, else > 0 (``--temp``).
+        top_k: keep the k most likely tokens; 0 disables (``--top-k``).
+        top_p: keep the smallest set whose probability reaches p; 1 disables (``--top-p``).
+        min_p: drop tokens below min_p × the top probability; 0 disables (``--min-p``).
+        repeat_penalty: divide positive / multiply negative logits of recent tokens; 1 disables.
+        repeat_last_n: how many recent tokens the penalty looks at.
+        max_tokens: most tokens to generate (``-n``); -1 means until a stop or the context is full.
+        seed: random seed; -1 picks one (reported in the stats so a run can be repeated).
+        stop: strings that end generation (not included in the output).
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    max_tokens: int = 128
+    seed: int = -1
+    stop: tuple[str, ...] = ()
+
+    def validate(self) -> "SamplingParams":
+        """Return self, or raise :class:`InputError` naming the bad value and its range."""
+        checks = [
+            (math.isfinite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature})"),
+            (self.top_k >= 0, f"top-k must be >= 0 (got {self.top_k}; 0 disables it)"),
+            (0 < self.top_p <= 1, f"top-p must be in (0, 1] (got {self.top_p}; 1 disables it)"),
+            (0 <= self.min_p <= 1, f"min-p must be in [0, 1] (got {self.min_p}; 0 disables it)"),
+            (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0,
+             f"repeat-penalty must be > 0 (got {self.repeat_penalty}; 1 disables it)"),
+            (self.repeat_last_n >= 0, f"repeat-last-n must be >= 0 (got {self.repeat_last_n})"),
+            (self.max_tokens == -1 or self.max_tokens >= 1,
+             f"the number of tokens to generate must be >= 1, or -1 for no limit (got {self.max_tokens})"),
+            (self.seed >= -1, f"seed must be >= 0, or -1 for a random one (got {self.seed})"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise InputError(msg)
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_repeat_penalty(logits: torch.Tensor, history, params: SamplingParams) -> torch.Tensor:
+    """logits float32 [V] with the penalty applied to the last ``repeat_last_n`` ids of ``history``."""
+    if params.repeat_penalty == 1.0 or params.repeat_last_n == 0 or not history:
+        return logits
+    ids = torch.tensor(sorted(set(history[-params.repeat_last_n:])), dtype=torch.long, device=logits.device)
+    vals = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(vals > 0, vals / params.repeat_penalty, vals * params.repeat_penalty)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams, history=()) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampling distribution at one position, restricted to the tokens it can produce.
+
+    Args:
+        logits: float32 [V].
+        history: ids before this position (for the repetition penalty).
+
+    Returns:
+        ``(ids, probs)``: int64 [n] candidate ids (most likely first) and float64 [n] probabilities
+        summing to 1. Greedy gives one id with probability 1.
+    """
+    logits = apply_repeat_penalty(logits, history, params)
+    if params.greedy:
+        return logits.argmax().view(1), torch.ones(1, dtype=torch.float64)
+    v = logits.shape[-1]
+    if 0 < params.top_k < v:
+        vals, ids = torch.topk(logits, params.top_k)  # sorted, most likely first
+        log_z = torch.logsumexp(vals.double(), 0)
+    else:
+        log_z = torch.logsumexp(logits.double(), 0)
+        if params.min_p > 0:  # min-p keeps only logits >= max + log(min_p): sort just those
+            pool = torch.nonzero(logits >= logits.max() + math.log(params.min_p)).view(-1)
+            vals, order = torch.sort(logits[pool], descending=True)
+            ids = pool[order]
+        else:
+            vals, ids = torch.sort(logits, descending=True)
+    # top-p and min-p act on the temperature-1 distribution over the top-k survivors
+    p = torch.exp(vals.double() - log_z)
+    keep = p.shape[0]
+    if params.top_p < 1:
+        cum = torch.cumsum(p, 0)
+        keep = min(keep, int(torch.searchsorted(cum, torch.tensor([params.top_p], dtype=torch.float64))) + 1)
+    if params.min_p > 0:
+        keep = min(keep, int((p >= params.min_p * p[0]).sum()))
+    keep = max(1, keep)
+    ids, vals = ids[:keep], vals[:keep]
+    return ids, torch.softmax(vals.double() / params.temperature, -1)
+
+
+class Sampler:
+    """Draws tokens for one request: a seeded float64 random stream plus the parameters."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params.validate()
+        self.seed = params.seed if params.seed >= 0 else int(np.random.SeedSequence().entropy % (2**31))
+        self.rng = np.random.Generator(np.random.PCG64(self.seed))
+
+    def uniform(self) -> float:
+        """One float64 draw in [0, 1)."""
+        return float(self.rng.random())
+
+    def draw(self, ids: torch.Tensor, probs: torch.Tensor) -> int:
+        """One id from a distribution given as (ids, probs) by inverting the CDF with a float64 draw."""
+        if ids.shape[0] == 1:
+            return int(ids[0])
+        cdf = torch.cumsum(probs, 0)
+        u = self.uniform() * float(cdf[-1])
+        j = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True).item())
+        return int(ids[min(j, ids.shape[0] - 1)])
+
+    def sample(self, logits: torch.Tensor, history=()) -> int:
+        """One token from logits float32 [V]."""
+        if self.params.greedy and (self.params.repeat_penalty == 1.0):
+            return int(logits.argmax())
+        return self.draw(*filtered_probs(logits, self.params, history))

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters propose, :mod:`.verify` decides, the engine loops."""

@@ -1,0 +1,72 @@
+"""Acceptance statistics, per request and in total, in llama-server's terms.
+
+acceptance rate = accepted / drafted; mean accepted length = 1 + accepted / verify steps (tokens per
+target verify step, the bonus or recovered token included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """Counters of speculative rounds.
+
+    Attributes:
+        drafted: draft tokens proposed.
+        accepted: draft tokens accepted (and kept).
+        steps: target verify steps (rounds in which at least one draft was proposed).
+        rounds: all target forwards of the decode phase, drafts or not.
+        accepted_per_pos: accepted counts by draft position (index 0 = first draft token).
+        drafted_per_pos: proposed counts by draft position.
+    """
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    rounds: int = 0
+    accepted_per_pos: list = field(default_factory=list)
+    drafted_per_pos: list = field(default_factory=list)
+
+    def record(self, n_drafted: int, n_accepted: int) -> None:
+        self.rounds += 1
+        if n_drafted == 0:
+            return
+        self.steps += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        for lst, n in ((self.drafted_per_pos, n_drafted), (self.accepted_per_pos, n_accepted)):
+            while len(lst) < n:
+                lst.append(0)
+            for i in range(n):
+                lst[i] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.steps += other.steps
+        self.rounds += other.rounds
+        for mine, theirs in ((self.drafted_per_pos, other.drafted_per_pos), (self.accepted_per_pos, other.accepted_per_pos)):
+            while len(mine) < len(theirs):
+                mine.append(0)
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted / self.steps if self.steps else 1.0
+
+    def llama_line(self) -> str:
+        """``draft acceptance = 0.84656 (  160 accepted /   189 generated), mean len =  2.68``"""
+        return (f"draft acceptance = {self.acceptance_rate:.5f} ({self.accepted:5d} accepted / "
+                f"{self.drafted:5d} generated), mean len = {self.mean_accepted_length:5.2f}")
+
+    def to_dict(self) -> dict:
+        return {"draft_n": self.drafted, "draft_n_accepted": self.accepted, "verify_steps": self.steps,
+                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
+                "accepted_per_pos": list(self.accepted_per_pos), "drafted_per_pos": list(self.drafted_per_pos)}

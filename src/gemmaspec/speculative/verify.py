@@ -1,0 +1,91 @@
+"""Verification of draft tokens against the target: pure functions, no model, no cache.
+
+Greedy: accept drafts while each equals the target's argmax; the first disagreement is replaced by
+the target's token (recovered); when all agree the target's next token is the bonus.
+
+Sampling: rejection sampling (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding", Alg. 1; Chen et al. 2023): accept draft x with probability min(1, p(x)/q(x));
+on rejection draw from norm(max(p − q, 0)); after n accepted drafts draw a bonus from p. A drafter
+without probabilities counts as q = one-hot on its token. The output is distributed exactly as p.
+Distributions are ``(ids int64 [n], probs float64 [n])`` pairs over the tokens they can produce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Verdict:
+    """Outcome of one round: ``n_accepted`` drafts kept, then ``next_token`` (recovered or bonus)."""
+
+    n_accepted: int
+    next_token: int
+
+    @property
+    def tokens_added(self) -> int:
+        return self.n_accepted + 1
+
+
+def verify_greedy(target_tokens, drafts) -> Verdict:
+    """Greedy verification.
+
+    Args:
+        target_tokens: the target's choice at each of len(drafts)+1 positions (ints).
+        drafts: the draft tokens (ints).
+    """
+    n = 0
+    while n < len(drafts) and int(drafts[n]) == int(target_tokens[n]):
+        n += 1
+    return Verdict(n, int(target_tokens[n]))
+
+
+def _prob_of(dist, token: int) -> float:
+    ids, probs = dist
+    hit = (ids == token).nonzero()
+    return float(probs[hit[0, 0]]) if hit.numel() else 0.0
+
+
+def residual(p_dist, q_dist):
+    """norm(max(p − q, 0)) as (ids, probs); q None means one-hot... see :func:`verify_sampling`."""
+    p_ids, p_probs = p_dist
+    q_ids, q_probs = q_dist
+    q_on_p = torch.zeros_like(p_probs)
+    # align q onto p's support (tokens outside p's support have p = 0, so they never come back)
+    pos = {int(t): i for i, t in enumerate(p_ids.tolist())}
+    for t, qp in zip(q_ids.tolist(), q_probs.tolist()):
+        i = pos.get(int(t))
+        if i is not None:
+            q_on_p[i] = qp
+    r = torch.clamp(p_probs - q_on_p, min=0.0)
+    total = float(r.sum())
+    if total <= 0.0:  # p == q: rejection had probability 0; fall back to p
+        return p_ids, p_probs
+    return p_ids, r / total
+
+
+def verify_sampling(target_dists, drafts, draft_dists, uniform, draw) -> Verdict:
+    """Rejection-sampling verification.
+
+    Args:
+        target_dists: callable i -> p at position i (i = 0..len(drafts)); called lazily, in order.
+        drafts: draft tokens.
+        draft_dists: list of q per draft position, or None for one-hot drafts.
+        uniform: callable returning a float64 draw in [0, 1).
+        draw: callable (ids, probs) -> token, drawing from a distribution.
+    """
+    for i, x in enumerate(drafts):
+        p = target_dists(i)
+        px = _prob_of(p, int(x))
+        if draft_dists is None:
+            q = (torch.tensor([int(x)]), torch.ones(1, dtype=torch.float64))
+            qx = 1.0
+        else:
+            q = draft_dists[i]
+            qx = _prob_of(q, int(x))
+        if qx > 0 and uniform() < min(1.0, px / qx):
+            continue
+        return Verdict(i, draw(*residual(p, q)))
+    return Verdict(len(drafts), draw(*target_dists(len(drafts))))

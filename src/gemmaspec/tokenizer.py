@@ -1,0 +1,167 @@
+"""Tokenizer built from a GGUF's vocabulary, and the Gemma chat template.
+
+The tokenizer is transformers' own GGUF conversion (``transformers.integrations.gguf.
+gguf_tokenizer_mapping``: the file's SentencePiece vocabulary and merges handed to a ``tokenizers``
+BPE model), so our ids equal the reference's. It is saved as ``tokenizer.json`` in the prepared-model
+cache; loading that takes about 1 s instead of building it again.
+
+BOS follows the file's ``tokenizer.ggml.add_bos_token``. The chat template is the file's
+``tokenizer.chat_template`` when present, else Gemma's built-in turn format (below).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import InputError, ModelFileError
+
+# Gemma's turn format (Gemma 3 model card / tokenizer_config.json): a system message is folded into
+# the first user turn; the assistant role is called "model".
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "<start_of_turn>{{ role }}\n{{ (first_user_prefix if loop.first else '') + message['content'] | trim }}<end_of_turn>\n"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<start_of_turn>model\n{%- endif -%}"
+)
+
+
+class GemmaTokenizer:
+    """Text ↔ token ids for a Gemma model.
+
+    Attributes:
+        bos_id, eos_id: special token ids from the file.
+        add_bos: whether :meth:`encode` prepends BOS by default.
+        chat_template: the Jinja template :meth:`apply_chat_template` renders.
+        stop_ids: ids that end generation (EOS and ``<end_of_turn>`` when the vocabulary has it).
+    """
+
+    def __init__(self, backend, bos_id: int, eos_id: int, add_bos: bool, chat_template: str | None):
+        self.backend = backend
+        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+        self.chat_template_from_file = chat_template
+        self.chat_template = chat_template or GEMMA_CHAT_TEMPLATE
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        stops = {eos_id}
+        for name in ("<end_of_turn>", "<turn|>"):
+            tid = backend.token_to_id(name)
+            if tid is not None:
+                stops.add(tid)
+        self.stop_ids = frozenset(stops)
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, path: Path, reader=None) -> "GemmaTokenizer":
+        """Build from the GGUF's ``tokenizer.ggml.*`` metadata (transformers' converter).
+
+        Raises:
+            ModelFileError: the file's tokenizer cannot be converted.
+        """
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        try:
+            arch, tok_dict, tok_config = get_gguf_tokenizer(str(path))
+            backend, _ = convert_gguf_tokenizer(arch, tok_dict)
+        except Exception as exc:  # the converter raises many kinds on odd files
+            raise ModelFileError(f"{path}: cannot build the tokenizer from the file ({type(exc).__name__}: {exc})") from None
+        backend.post_processor = None  # BOS is added here, per add_bos, not by the backend
+        template = None
+        if reader is not None and "tokenizer.chat_template" in reader.fields:
+            template = reader.fields["tokenizer.chat_template"].contents()
+        return cls(backend, int(tok_dict.get("bos_token_id", 2)), int(tok_dict.get("eos_token_id", 1)),
+                   bool(tok_config.get("add_bos_token", True)), template)
+
+    def save(self, directory: Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_meta.json`` into ``directory``."""
+        self.backend.save(str(Path(directory) / "tokenizer.json"))
+        meta = {"bos_id": self.bos_id, "eos_id": self.eos_id, "add_bos": self.add_bos,
+                "chat_template": self.chat_template_from_file}
+        (Path(directory) / "tokenizer_meta.json").write_text(json.dumps(meta))
+
+    @classmethod
+    def load(cls, directory: Path) -> "GemmaTokenizer":
+        from tokenizers import Tokenizer
+
+        meta = json.loads((Path(directory) / "tokenizer_meta.json").read_text())
+        backend = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+        return cls(backend, meta["bos_id"], meta["eos_id"], meta["add_bos"], meta["chat_template"])
+
+    # -- use -------------------------------------------------------------------------------------
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text``; special-token strings in it (``<start_of_turn>``) become their ids."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos if add_bos is None else add_bos:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render chat ``messages`` ([{"role": "user"|"system"|"assistant", "content": str}]) as text.
+
+        Raises:
+            InputError: a message without role/content, or a role the template rejects.
+        """
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InputError("each chat message needs a string 'role' and a string 'content'")
+
+        def raise_exception(msg):
+            raise InputError(f"chat template: {msg}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.backend.id_to_token(self.bos_id), eos_token=self.backend.id_to_token(self.eos_id))
+        except jinja2.TemplateError as exc:
+            raise InputError(f"chat template failed: {exc}") from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Ids of the rendered chat prompt (the template writes BOS itself, so none is added)."""
+        text = self.apply_chat_template(messages)
+        bos = self.backend.id_to_token(self.bos_id)
+        return self.encode(text, add_bos=not text.startswith(bos))
+
+
+class IncrementalDecoder:
+    """Turns a growing list of ids into text deltas without splitting multi-byte characters.
+
+    ``push(ids)`` returns the new text; a trailing incomplete UTF-8 sequence (decoded as U+FFFD) is
+    held back until the tokens that complete it arrive. ``flush()`` returns whatever is left.
+    """
+
+    def __init__(self, tokenizer: GemmaTokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # ids before this are settled
+        self.read = 0  # ids before this have been emitted
+
+    def push(self, new_ids) -> str:
+        self.ids.extend(new_ids)
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+            delta = text[len(prefix_text):]
+            self.prefix, self.read = self.read, len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(prefix_text):]
