@@ -47,7 +47,7 @@ def _compile(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(_SRC), "-o", str(tmp_so)]
+        cmd = [cc, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(_SRC), "-o", str(tmp_so)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:500]}")
@@ -83,7 +83,7 @@ def load_library():
         if os.environ.get("GEMMASPEC_NO_KERNELS") == "1":
             return None
         key = hashlib.sha256(
-            _SRC.read_bytes() + f"|-O3 -march=native -fopenmp|{os.uname().machine}|{_cpu_flags()}".encode()
+            _SRC.read_bytes() + f"|-O3 -march=native -ffp-contract=off -fopenmp|{os.uname().machine}|{_cpu_flags()}".encode()
         ).hexdigest()[:16]
         so = cache_home() / "kernels" / f"qmatmul-{key}.so"
         try:

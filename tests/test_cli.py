@@ -1,0 +1,117 @@
+"""The command line: streaming output, stats on stderr, and one-line errors for bad input."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T, GGUFWriter
+
+from conftest import run_cli
+
+
+def _assert_one_line_error(res, *needles):
+    assert res.returncode == 1, (res.returncode, res.stderr)
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert res.stdout == ""
+
+
+def _tiny_gguf(path, arch="gemma3", tensor_type=T.F32):
+    w = GGUFWriter(str(path), arch)
+    w.add_uint32(f"{arch}.embedding_length", 32)
+    w.add_uint32(f"{arch}.block_count", 1)
+    w.add_uint32(f"{arch}.feed_forward_length", 64)
+    w.add_uint32(f"{arch}.attention.head_count", 2)
+    w.add_uint32(f"{arch}.attention.head_count_kv", 1)
+    w.add_uint32(f"{arch}.attention.key_length", 16)
+    w.add_token_list(["<pad>", "<eos>", "<bos>", "<unk>"] + [f"t{i}" for i in range(252)])
+    if tensor_type == T.F32:
+        w.add_tensor("token_embd.weight", np.zeros((256, 32), np.float32))
+    else:  # IQ4_XS: 136 bytes per 256 values
+        w.add_tensor("token_embd.weight", np.zeros((32, 136), np.uint8), raw_dtype=tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_generate_streams_text_and_stats(model_path):
+    res = run_cli("generate", "-m", str(model_path), "-p", "The capital of France is", "-n", "12", "--temp", "0")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() and "The capital of France is" not in res.stdout
+    stats = res.stderr.strip().splitlines()[-1]
+    for word in ("prompt", "prefill", "tokens/s", "generated 12 tokens", "decode", "TTFT"):
+        assert word in stats, stats
+
+
+def test_greedy_output_is_reproducible_and_pipeable(model_path):
+    args = ("generate", "-m", str(model_path), "-p", "List three colors:", "-n", "10", "--temp", "0")
+    assert run_cli(*args).stdout == run_cli(*args).stdout
+
+
+def test_default_model_runs_without_m():
+    res = run_cli("generate", "-p", "Hello", "-n", "3", "--temp", "0")
+    assert res.returncode == 0, res.stderr
+
+
+def test_missing_file(tmp_path):
+    _assert_one_line_error(run_cli("generate", "-m", str(tmp_path / "nope.gguf"), "-p", "x"), "not found")
+
+
+def test_not_gguf(tmp_path):
+    p = tmp_path / "model.gguf"
+    p.write_text("this is not a model")
+    _assert_one_line_error(run_cli("generate", "-m", str(p), "-p", "x"), "not a GGUF file")
+
+
+def test_truncated_gguf(tmp_path, model_path):
+    p = tmp_path / "cut.gguf"
+    with open(model_path, "rb") as f:
+        p.write_bytes(f.read(50_000_000))
+    _assert_one_line_error(run_cli("generate", "-m", str(p), "-p", "x"), "truncated")
+    p.write_bytes(p.read_bytes()[:2000])  # cut inside the metadata
+    _assert_one_line_error(run_cli("generate", "-m", str(p), "-p", "x"), "truncated or corrupt")
+
+
+def test_unsupported_architecture(tmp_path):
+    p = _tiny_gguf(tmp_path / "llama.gguf", arch="llama")
+    _assert_one_line_error(run_cli("generate", "-m", str(p), "-p", "x"), "'llama' is not supported", "gemma3")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    p = _tiny_gguf(tmp_path / "iq.gguf", tensor_type=T.IQ4_XS)
+    _assert_one_line_error(run_cli("generate", "-m", str(p), "-p", "x"), "IQ4_XS", "supported")
+
+
+def test_unknown_tensor_type_id(tmp_path):
+    p = _tiny_gguf(tmp_path / "odd.gguf")
+    data = bytearray(p.read_bytes())
+    name = b"token_embd.weight"
+    i = data.index(name) + len(name)  # then: n_dims u32, dims u64 x n, type u32
+    n_dims = int.from_bytes(data[i:i + 4], "little")
+    t = i + 4 + 8 * n_dims
+    data[t:t + 4] = (250).to_bytes(4, "little")
+    p.write_bytes(bytes(data))
+    _assert_one_line_error(run_cli("generate", "-m", str(p), "-p", "x"), "unknown type")
+
+
+def test_prompt_longer_than_context(model_path):
+    res = run_cli("generate", "-m", str(model_path), "-c", "16", "-p", "word " * 40)
+    _assert_one_line_error(res, "the prompt is", "the context is 16")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--temp", "-1"], "temperature"), (["--top-p", "2"], "top-p"), (["-n", "0"], "tokens"),
+    (["--min-p", "-0.5"], "min-p"), (["-c", "999999"], "exceeds the model's context"),
+])
+def test_out_of_range_flags(model_path, flags, needle):
+    _assert_one_line_error(run_cli("generate", "-m", str(model_path), "-p", "x", *flags), needle)
+
+
+def test_inspect(model_path):
+    res = run_cli("inspect", str(model_path))
+    assert res.returncode == 0, res.stderr
+    for word in ("architecture: gemma3", "num_layers: 18", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "sssssF"):
+        assert word in res.stdout, word

@@ -1,0 +1,96 @@
+"""Sampling: exact masks on hand-made logits, seeds, parameter validation."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from gemmaspec.errors import InputError
+from gemmaspec.sampling import Sampler, SamplingParams, filtered_probs
+
+# probabilities 0.4, 0.3, 0.15, 0.1, 0.05 (temperature 1)
+P = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])
+LOGITS = P.log()
+
+
+def kept(params):
+    ids, probs = filtered_probs(LOGITS, params)
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-12)
+    return ids.tolist(), probs
+
+
+def test_top_k_keeps_the_k_best():
+    assert kept(SamplingParams(temperature=1, top_k=2, top_p=1, min_p=0))[0] == [1, 3]
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    assert kept(SamplingParams(temperature=1, top_k=0, top_p=0.7, min_p=0))[0] == [1, 3]
+    assert kept(SamplingParams(temperature=1, top_k=0, top_p=0.71, min_p=0))[0] == [1, 3, 4]
+    assert kept(SamplingParams(temperature=1, top_k=0, top_p=0.01, min_p=0))[0] == [1]
+
+
+def test_min_p_is_relative_to_the_top_token():
+    # 0.4 * 0.3 = 0.12: keeps 0.4, 0.3, 0.15
+    assert kept(SamplingParams(temperature=1, top_k=0, top_p=1, min_p=0.3))[0] == [1, 3, 4]
+
+
+def test_top_p_after_top_k_renormalises_over_survivors():
+    # top-k 3 leaves 0.4, 0.3, 0.15 (sum 0.85): renormalised 0.47, 0.35, 0.18; top-p 0.8 keeps two
+    assert kept(SamplingParams(temperature=1, top_k=3, top_p=0.8, min_p=0))[0] == [1, 3]
+
+
+def test_temperature_reshapes_kept_probabilities():
+    ids, probs = kept(SamplingParams(temperature=0.5, top_k=0, top_p=1, min_p=0))
+    expect = torch.softmax(LOGITS.double() / 0.5, -1)[ids]
+    torch.testing.assert_close(probs, expect / expect.sum())
+
+
+def test_greedy_is_argmax():
+    assert kept(SamplingParams(temperature=0))[0] == [1]
+
+
+def test_repeat_penalty():
+    p = SamplingParams(temperature=0, repeat_penalty=10.0)
+    logits = torch.tensor([1.0, 2.0, -1.0])
+    ids, _ = filtered_probs(logits, p, history=[1])
+    assert ids.tolist() == [0]  # 2.0 / 10 < 1.0
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_same_seed_same_draws(seed):
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(seed % 1000))
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=0.9, min_p=0, seed=seed)
+    a, b = Sampler(params), Sampler(params)
+    assert [a.sample(logits) for _ in range(20)] == [b.sample(logits) for _ in range(20)]
+
+
+def test_draws_follow_the_distribution():
+    from scipy.stats import chisquare
+
+    s = Sampler(SamplingParams(temperature=1, top_k=0, top_p=1, min_p=0, seed=123))
+    n = 20000
+    counts = torch.bincount(torch.tensor([s.sample(LOGITS) for _ in range(n)]), minlength=5)
+    expected = (P.double() / P.double().sum() * n).numpy()
+    assert chisquare(counts.numpy(), expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 2}, "top-p"), ({"top_p": 0}, "top-p"),
+    ({"top_k": -1}, "top-k"), ({"min_p": 1.5}, "min-p"), ({"max_tokens": 0}, "tokens"),
+    ({"repeat_penalty": 0}, "repeat-penalty"), ({"temperature": float("nan")}, "temperature"),
+])
+def test_out_of_range_values(kw, msg):
+    with pytest.raises(InputError, match=msg):
+        SamplingParams(**kw).validate()
+
+
+def test_same_seed_same_text(engine):
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=16)
+    ids = engine.tokenizer.encode("The weather today")
+    a = "".join(ev.text for ev in engine.generate(ids, params))
+    b = "".join(ev.text for ev in engine.generate(ids, params))
+    c = "".join(ev.text for ev in engine.generate(ids, SamplingParams(temperature=1.0, seed=8, max_tokens=16)))
+    assert a == b
+    assert a != c
