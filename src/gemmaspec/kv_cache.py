@@ -7,11 +7,32 @@ extra ``max_rollback`` rows keep the keys that a rollback of up to that many pos
 even after the window has wrapped.
 
 Layout per layer: keys and values float32 [rows, num_kv_heads, head_dim].
+
+A forward over T new tokens first asks :meth:`KVCache.plan` how the layers should read the cache;
+the plan (masks, indices) is computed once and shared by every layer of the same kind.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class ReadPlan:
+    """How one kind of layer (full or sliding) reads keys for T new tokens at ``start``.
+
+    mode "prefix": keys are rows [0, end) (full layers; rings that have not wrapped).
+    mode "ring": new keys are written into the ring first, then queries read all ring rows.
+    mode "gather": old keys at ``old_idx`` are gathered and the new keys appended (long chunks).
+    ``mask`` bool [T, L] (True = may attend) or None when every key is visible.
+    """
+
+    mode: str
+    end: int = 0
+    old_idx: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 class LayerKV:
@@ -23,39 +44,33 @@ class LayerKV:
         self.k = torch.zeros(rows, num_kv_heads, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
 
-    def attend_kv(self, start: int, k_new: torch.Tensor, v_new: torch.Tensor):
-        """Store the new keys/values for positions start.. and return what the new queries see.
-
-        Args:
-            start: position of the first new token (= number of tokens already cached).
-            k_new, v_new: float32 [T, num_kv_heads, head_dim].
-
-        Returns:
-            ``(k, v, key_pos)``: keys/values [L, num_kv_heads, head_dim] and their positions
-            int64 [L]; the caller masks by position (causal, and the window for sliding layers).
-        """
+    def read(self, plan: ReadPlan, start: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Store the new keys/values [T, num_kv_heads, head_dim] for positions start.. and return
+        ``(keys, values)`` [L, num_kv_heads, head_dim] that the plan's mask refers to."""
         t = k_new.shape[0]
-        dev = k_new.device
-        if self.window is None:
+        if plan.mode == "prefix":
             self.k[start:start + t] = k_new
             self.v[start:start + t] = v_new
-            end = start + t
-            return self.k[:end], self.v[:end], torch.arange(end, device=dev)
-        first = max(0, start - self.window + 1)
-        if first < start:
-            old_pos = torch.arange(first, start, device=dev)
-            idx = old_pos % self.rows
-            k = torch.cat([self.k[idx], k_new])
-            v = torch.cat([self.v[idx], v_new])
-            pos = torch.cat([old_pos, torch.arange(start, start + t, device=dev)])
-        else:
-            k, v, pos = k_new, v_new, torch.arange(start, start + t, device=dev)
+            return self.k[:plan.end], self.v[:plan.end]
+        if plan.mode == "gather":
+            k = torch.cat([self.k[plan.old_idx], k_new])
+            v = torch.cat([self.v[plan.old_idx], v_new])
+            self._write_ring(start, k_new, v_new)
+            return k, v
+        self._write_ring(start, k_new, v_new)
+        return self.k, self.v
+
+    def _write_ring(self, start: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        t = k_new.shape[0]
         keep = min(t, self.rows)  # earlier ones would be overwritten within this same write
-        new_pos = torch.arange(start + t - keep, start + t, device=dev)
-        slots = new_pos % self.rows
-        self.k[slots] = k_new[t - keep:]
-        self.v[slots] = v_new[t - keep:]
-        return k, v, pos
+        first = start + t - keep
+        s0 = first % self.rows
+        n1 = min(keep, self.rows - s0)
+        self.k[s0:s0 + n1] = k_new[t - keep:t - keep + n1]
+        self.v[s0:s0 + n1] = v_new[t - keep:t - keep + n1]
+        if n1 < keep:
+            self.k[:keep - n1] = k_new[t - keep + n1:]
+            self.v[:keep - n1] = v_new[t - keep + n1:]
 
 
 class KVCache:
@@ -76,17 +91,63 @@ class KVCache:
                  max_rollback: int = 16, device="cpu", dtype=torch.float32):
         self.capacity = capacity
         self.max_rollback = max_rollback
+        self.device = torch.device(device)
         self.layers = []
+        self.window = None
+        self.ring_rows = None
         for w in layer_windows:
-            rows = capacity if w is None else min(capacity, w + max_rollback)
-            self.layers.append(LayerKV(rows, num_kv_heads, head_dim, None if w is None or rows >= capacity else w,
-                                       device, dtype))
+            ring = w is not None and w + max_rollback < capacity
+            rows = w + max_rollback if ring else capacity
+            if ring:
+                self.window, self.ring_rows = w, rows
+            self.layers.append(LayerKV(rows, num_kv_heads, head_dim, w if ring else None, self.device, dtype))
         self.length = 0
         self._high = 0  # furthest position count ever written since reset
+        # position held by each ring row (-1: empty); identical for every ring layer
+        self.slot_pos = torch.full((self.ring_rows or 0,), -1, dtype=torch.long, device=self.device)
 
-    def advance(self, t: int) -> None:
-        """Mark t more positions as written (called by the model after a forward)."""
-        self.length += t
+    def plan(self, start: int, t: int, window: int | None) -> ReadPlan:
+        """The read plan for layers with this ``window`` (None: full) for T tokens at ``start``.
+
+        Call it for every window kind *before* :meth:`note_written` of the same forward.
+        """
+        dev = self.device
+        q_pos = torch.arange(start, start + t, device=dev)
+        end = start + t
+        ring = window is not None and self.ring_rows is not None
+        if not ring or end <= self.ring_rows:
+            if t == 1 and (window is None or end <= window):
+                return ReadPlan("prefix", end=end)
+            k_pos = torch.arange(end, device=dev)
+            return ReadPlan("prefix", end=end, mask=self._mask(q_pos, k_pos, window))
+        rows = self.ring_rows
+        if t <= rows - window + 1:
+            # writing first is safe: the rows overwritten hold positions no new query can see
+            slot = self.slot_pos.clone()
+            new_slots = torch.arange(start, end, device=dev) % rows
+            slot[new_slots] = q_pos
+            mask = self._mask(q_pos, slot, window) & (slot >= 0)[None, :]
+            return ReadPlan("ring", mask=mask)
+        first = max(0, start - window + 1)
+        old = torch.arange(first, start, device=dev)
+        k_pos = torch.cat([old, q_pos])
+        return ReadPlan("gather", old_idx=old % rows, mask=self._mask(q_pos, k_pos, window))
+
+    @staticmethod
+    def _mask(q_pos, k_pos, window):
+        diff = q_pos[:, None] - k_pos[None, :]
+        allowed = diff >= 0
+        if window is not None:
+            allowed &= diff < window
+        return allowed
+
+    def advance(self, start: int, t: int) -> None:
+        """Mark positions start..start+t-1 as written (called by the model after a forward)."""
+        if self.ring_rows:
+            keep = min(t, self.ring_rows)
+            pos = torch.arange(start + t - keep, start + t, device=self.device)
+            self.slot_pos[pos % self.ring_rows] = pos
+        self.length = start + t
         self._high = max(self._high, self.length)
 
     def rollback(self, new_length: int) -> None:
@@ -98,14 +159,16 @@ class KVCache:
         """
         if not 0 <= new_length <= self.length:
             raise ValueError(f"cannot roll back to {new_length}: cache holds {self.length} positions")
-        ring = any(layer.window is not None for layer in self.layers)
-        if ring and self._high - new_length > self.max_rollback:
+        if self.ring_rows and self._high - new_length > self.max_rollback:
             raise ValueError(
                 f"cannot roll back {self._high - new_length} positions: the sliding-window cache keeps "
                 f"{self.max_rollback}; build the cache with a larger max_rollback")
+        if self.ring_rows:  # rows past the new end hold positions that no longer exist
+            self.slot_pos[self.slot_pos >= new_length] = -1
         self.length = new_length
 
     def reset(self) -> None:
         """Empty the cache (keeps its memory)."""
         self.length = 0
         self._high = 0
+        self.slot_pos.fill_(-1)

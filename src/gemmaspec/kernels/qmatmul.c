@@ -22,6 +22,8 @@
 #define MB 4        /* rows of x handled together */
 #define NR 4        /* output rows handled together (independent accumulator chains) */
 #define NTILE 64   /* output rows per scheduling unit (a multiple of NR) */
+#define PF_BYTES 8192 /* software prefetch distance along the weight stream: one core alone cannot
+                         keep enough cache misses in flight to read at full memory bandwidth */
 
 static void offsets_term(const float *o, int nb, const float *xsum, int M, float *out) {
     /* out[m] = sum_b o[b] * xsum[m, b] */
@@ -50,6 +52,11 @@ static inline __attribute__((always_inline)) void tile_dot(const int8_t *const q
     if (G == 32) {
         for (int b = 0; b < nb; b++) {
             const int k = b * 32;
+            if ((b & 1) == 0)
+                for (int r = 0; r < NR; r++) {
+                    _mm_prefetch((const char *)(qr[r] + k + PF_BYTES), _MM_HINT_T0);
+                    if ((b & 15) == 0) _mm_prefetch((const char *)(sr[r] + b + PF_BYTES / 8), _MM_HINT_T0);
+                }
             __m512 x0[MB], x1[MB];
             for (int m = 0; m < M; m++) {
                 x0[m] = _mm512_loadu_ps(x + m * ldx + k);
@@ -68,6 +75,11 @@ static inline __attribute__((always_inline)) void tile_dot(const int8_t *const q
     } else { /* G == 16 */
         for (int b = 0; b < nb; b++) {
             const int k = b * 16;
+            if ((b & 3) == 0)
+                for (int r = 0; r < NR; r++) {
+                    _mm_prefetch((const char *)(qr[r] + k + PF_BYTES), _MM_HINT_T0);
+                    if ((b & 15) == 0) _mm_prefetch((const char *)(sr[r] + b + PF_BYTES / 4), _MM_HINT_T0);
+                }
             __m512 x0[MB];
             for (int m = 0; m < M; m++) x0[m] = _mm512_loadu_ps(x + m * ldx + k);
             for (int r = 0; r < NR; r++) {

@@ -49,8 +49,7 @@ def linear(w, x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float32 (weight None: no scale)."""
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y if weight is None else y * weight
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: float = 1.0,
@@ -78,14 +77,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-              scale: float, window: int | None, softcap: float | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              softcap: float | None = None) -> torch.Tensor:
     """Grouped-query attention for one sequence.
 
     Args:
         q: float32 [T, H, D]; k, v: float32 [L, Hkv, D] (H a multiple of Hkv).
-        q_pos: int64 [T]; k_pos: int64 [L] absolute positions (causal mask from them).
-        window: sliding window (a key is seen when q_pos - k_pos < window) or None.
+        mask: bool [T, L], True where a query may attend a key; None: every key is visible.
+        scale: multiplies q·k.
 
     Returns:
         float32 [T, H, D].
@@ -98,12 +97,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     scores = torch.matmul(qg, k.permute(1, 2, 0)) * scale  # [Hkv, g*T, L]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    diff = q_pos[:, None] - k_pos[None, :]  # [T, L]
-    allowed = diff >= 0
-    if window is not None:
-        allowed &= diff < window
-    if not bool(allowed.all()):
-        scores = scores.view(hkv, g, t, -1).masked_fill(~allowed, float("-inf")).view(hkv, g * t, -1)
+    if mask is not None:
+        scores = scores.view(hkv, g, t, -1).masked_fill(~mask, float("-inf")).view(hkv, g * t, -1)
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.permute(1, 0, 2))  # [Hkv, g*T, D]
     return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, h, d)

@@ -112,6 +112,7 @@ class Gemma3Model:
         h_q, h_kv, d = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
         x = self.embed_tokens(tokens)
+        plans = {True: cache.plan(start, t, c.sliding_window), False: cache.plan(start, t, None)}
         for layer, kv in zip(self.layers, cache.layers):
             h = rms_norm(x, layer.attn_norm, eps)
             if layer.qkv is not None:
@@ -124,8 +125,9 @@ class Gemma3Model:
             v = v.reshape(t, h_kv, d)
             cos, sin = rope[layer.sliding]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            keys, values, k_pos = kv.attend_kv(start, k, v)
-            a = attention(q, keys, values, pos, k_pos, self.attn_scale, c.sliding_window if layer.sliding else None)
+            plan = plans[layer.sliding]
+            keys, values = kv.read(plan, start, k, v)
+            a = attention(q, keys, values, plan.mask, self.attn_scale)
             a = linear(layer.o, a.reshape(t, h_q * d))
             x = x + rms_norm(a, layer.post_attn_norm, eps)
             h = rms_norm(x, layer.ffn_norm, eps)
@@ -135,7 +137,7 @@ class Gemma3Model:
                 gate, up = linear(layer.gate, h), linear(layer.up, h)
             f = linear(layer.down, F.gelu(gate, approximate="tanh") * up)
             x = x + rms_norm(f, layer.post_ffn_norm, eps)
-        cache.advance(t)
+        cache.advance(start, t)
         hidden = rms_norm(x, self.final_norm, eps)
         logits = linear(self.head, hidden if all_logits else hidden[-1:])
         if c.final_logit_softcapping:
