@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back over (default 64)")
     g.add_argument("-s", "--seed", type=int, default=-1, help="random seed, -1 = random (default -1)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("-sys", "--system-prompt", default=None, help="system message for --chat")
 
@@ -53,7 +54,8 @@ def _cmd_generate(args) -> int:
 
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-                            max_tokens=args.n_predict, seed=args.seed, stop=tuple(args.stop)).validate()
+                            max_tokens=args.n_predict, seed=args.seed, stop=tuple(args.stop),
+                            ignore_eos=args.ignore_eos).validate()
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     t0 = time.perf_counter()
     engine = load_engine(args.model, ctx_size=args.ctx_size, device=args.device, threads=args.threads)

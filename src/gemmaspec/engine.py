@@ -75,7 +75,7 @@ class _StopChecker:
 
     def add(self, token: int) -> str | None:
         """Feed one generated token; returns text to show, or None when the token is a stop token."""
-        if token in self.tok.stop_ids:
+        if token in self.tok.stop_ids and not self.params.ignore_eos:
             self.reason = "eos"
             return None
         self.tokens.append(token)

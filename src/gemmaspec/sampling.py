@@ -31,6 +31,7 @@ class SamplingParams:
         max_tokens: most tokens to generate (``-n``); -1 means until a stop or the context is full.
         seed: random seed; -1 picks one (reported in the stats so a run can be repeated).
         stop: strings that end generation (not included in the output).
+        ignore_eos: keep generating past EOS / end-of-turn (benchmarks), as llama.cpp's --ignore-eos.
     """
 
     temperature: float = 0.8
@@ -42,6 +43,7 @@ class SamplingParams:
     max_tokens: int = 128
     seed: int = -1
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     def validate(self) -> "SamplingParams":
         """Return self, or raise :class:`InputError` naming the bad value and its range."""

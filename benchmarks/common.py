@@ -1,0 +1,93 @@
+"""Shared benchmark plumbing: cold-process runs, llama.cpp's environment, medians, tables.
+
+llama.cpp is measured through llama-cpp-python 0.3.36, installed only here, in its own virtual
+environment under ``$GEMMASPEC_HOME/bench/llama-venv``. It builds from source (about 16 minutes on
+2 cores); the wheel is kept in ``$GEMMASPEC_HOME/bench/wheels`` so the build happens once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from gemmaspec.paths import cache_home  # noqa: E402
+
+LLAMA_CPP_VERSION = "0.3.36"
+
+PROMPTS = {
+    "code": "Write a Python function that parses a CSV file and returns the rows as dictionaries.",
+    "prose": "Write a short story about a robot who learns to paint.",
+    "qa": "Explain why the sky is blue, in simple terms.",
+}
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+
+
+def llama_python() -> Path:
+    """Python of the llama-cpp-python venv, creating it (and building the wheel once) if needed."""
+    bench = cache_home() / "bench"
+    venv = bench / "llama-venv"
+    py = venv / "bin" / "python"
+    if py.exists() and subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+        return py
+    wheels = bench / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    if not list(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl")):
+        print(f"building llama-cpp-python {LLAMA_CPP_VERSION} from source (about 16 minutes, once)...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", f"llama-cpp-python=={LLAMA_CPP_VERSION}",
+                        "-w", str(wheels)], check=True, env={**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"})
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "numpy", "typing-extensions", "diskcache", "jinja2"], check=True)
+    wheel = sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))[-1]
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
+    return py
+
+
+def run_cold(cmd: list[str], env=None, timeout=900) -> dict:
+    """Run a command in a fresh process; time to its first stdout byte, wall time, peak RSS (MB)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = proc.stdout.read(1)
+    t_first = time.perf_counter() - t0
+    out = first + proc.stdout.read()
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    rc = os.waitstatus_to_exitcode(status)
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])}... failed ({rc}): {err.decode()[-2000:]}")
+    return {"first_output_s": t_first, "wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024,
+            "stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace")}
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def write_results(name: str, data: dict, table: str) -> None:
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2))
+    (out / f"{name}.md").write_text(table + "\n")
+    print(table)
+    print(f"\nwritten: benchmarks/results/{name}.json, benchmarks/results/{name}.md")
