@@ -115,3 +115,35 @@ def test_inspect(model_path):
     assert res.returncode == 0, res.stderr
     for word in ("architecture: gemma3", "num_layers: 18", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "sssssF"):
         assert word in res.stdout, word
+
+
+def test_speculative_flags_and_acceptance_line(model_path):
+    base = ("generate", "-m", str(model_path), "-p", "List: apple, pear, plum, apple, pear, plum, apple,", "-n", "24",
+            "--temp", "0")
+    plain = run_cli(*base)
+    spec = run_cli(*base, "--spec-type", "ngram-simple", "--spec-draft-n-max", "4")
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    last = spec.stderr.strip().splitlines()[-1]
+    assert last.startswith("draft acceptance = ") and "accepted /" in last and "mean len =" in last
+    auto = run_cli(*base, "--spec-type", "ngram-simple", "--spec-draft-n-max", "auto")
+    assert auto.returncode == 0 and auto.stdout == plain.stdout
+
+
+def test_draft_model_with_itself_accepts_everything(model_path):
+    res = run_cli("generate", "-m", str(model_path), "-md", str(model_path), "--spec-type", "draft-simple",
+                  "-p", "The capital of France is", "-n", "13", "--temp", "0", "--spec-draft-n-max", "3")
+    assert res.returncode == 0, res.stderr
+    assert "draft acceptance = 1.00000" in res.stderr
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--spec-type", "ngram-simple", "--spec-draft-n-max", "x"], "--spec-draft-n-max"),
+    (["--spec-type", "ngram-simple", "--spec-draft-n-max", "16"], "0..15"),
+    (["--spec-type", "draft-simple"], "needs a draft model"),
+    (["--spec-type", "draft-simple", "-md", "/nonexistent.gguf"], "not found"),
+    (["--spec-type", "draft-mtp"], "Gemma 4"),
+    (["--spec-type", "ngram-simple", "--spec-ngram-size", "2", "--spec-ngram-min", "3"], "n-gram sizes"),
+])
+def test_speculative_bad_flags(model_path, flags, needle):
+    _assert_one_line_error(run_cli("generate", "-m", str(model_path), "-p", "x", *flags), needle)

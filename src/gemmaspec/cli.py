@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from .errors import GemmaspecError
+from .errors import GemmaspecError, InputError
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -42,13 +42,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("-sys", "--system-prompt", default=None, help="system message for --chat")
 
+    sp = g.add_argument_group("speculative decoding (llama-server's flags)")
+    sp.add_argument("--spec-type", default="none", choices=["none", "ngram-simple", "draft-simple", "draft-mtp"],
+                    help="drafter (default none)")
+    sp.add_argument("--spec-draft-n-max", "--draft-max", default="3",
+                    help="most draft tokens per round, or 'auto' to adapt per request (default 3)")
+    sp.add_argument("--spec-draft-n-min", "--draft-min", type=int, default=0,
+                    help="proposals shorter than this are not verified (default 0)")
+    sp.add_argument("--spec-draft-p-min", "--draft-p-min", type=float, default=0.0,
+                    help="draft model stops drafting below this top probability (default 0)")
+    sp.add_argument("-md", "--model-draft", default=None, help="draft model GGUF for --spec-type draft-simple")
+    sp.add_argument("--spec-ngram-size", type=int, default=4, help="longest n-gram to match (default 4)")
+    sp.add_argument("--spec-ngram-min", type=int, default=1, help="shortest n-gram that counts (default 1)")
+
     i = sub.add_parser("inspect", help="print a model file's architecture, config and tensor types")
     i.add_argument("model", help="GGUF model file")
     return ap
 
 
 def _cmd_generate(args) -> int:
-    from .loader import load_engine
+    from .loader import load_drafter, load_engine
     from .engine import RequestStats
     from .sampling import SamplingParams
 
@@ -56,21 +69,42 @@ def _cmd_generate(args) -> int:
                             repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                             max_tokens=args.n_predict, seed=args.seed, stop=tuple(args.stop),
                             ignore_eos=args.ignore_eos).validate()
+    n_max = _parse_n_max(args.spec_draft_n_max)
+    if args.spec_draft_n_min < 0:
+        raise InputError(f"--spec-draft-n-min must be >= 0 (got {args.spec_draft_n_min})")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     t0 = time.perf_counter()
     engine = load_engine(args.model, ctx_size=args.ctx_size, device=args.device, threads=args.threads)
     load_s = time.perf_counter() - t0
+    drafter = load_drafter(args.spec_type, engine, args.model_draft, args.spec_draft_p_min,
+                           args.spec_ngram_size, args.spec_ngram_min)
     ids = engine.encode_prompt(prompt, chat=args.chat, system=args.system_prompt)
     engine.check_prompt(ids)
     stats = RequestStats()
     out = sys.stdout
-    for ev in engine.generate(ids, params, stats=stats):
+    for ev in engine.generate(ids, params, drafter=drafter, n_max=n_max, n_min=args.spec_draft_n_min, stats=stats):
         out.write(ev.text)
         out.flush()
     out.write("\n")
     out.flush()
     print(f"load {load_s:.2f} s | {stats.line()}", file=sys.stderr)
+    if args.spec_type != "none":
+        print(stats.spec.llama_line(), file=sys.stderr)
     return 0
+
+
+def _parse_n_max(value: str):
+    from .errors import InputError
+
+    if value == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        raise InputError(f"--spec-draft-n-max must be a number or 'auto' (got {value})") from None
+    if not 0 <= n <= 15:
+        raise InputError(f"--spec-draft-n-max must be in 0..15 or 'auto' (got {n})")
+    return n
 
 
 def _cmd_inspect(args) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from .errors import InputError
 from .sampling import Sampler, SamplingParams, filtered_probs
+from .speculative.adaptive import AdaptiveDraftLength
 from .speculative.drafters import DraftContext, Drafter, NoDrafter
 from .speculative.stats import SpecStats
 from .speculative.verify import Verdict, verify_greedy, verify_sampling
@@ -147,23 +148,28 @@ class Engine:
         return out
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
-                 n_max: int = 0, stats: RequestStats | None = None) -> Iterator[Event]:
+                 n_max: int | str = 0, stats: RequestStats | None = None, n_min: int = 0) -> Iterator[Event]:
         """Generate from ``prompt_ids``, yielding text as it is produced.
 
         Args:
             prompt_ids: the prompt's token ids (BOS included when the model wants it).
             params: sampling parameters (validated here).
             drafter: who proposes draft tokens (None: plain decoding).
-            n_max: most draft tokens per round (ignored by a drafter that proposes none).
+            n_max: most draft tokens per round (ignored by a drafter that proposes none), or
+                ``"auto"``: chosen each round by :class:`~gemmaspec.speculative.adaptive.AdaptiveDraftLength`.
             stats: filled in as the request runs (counts, timings, acceptance).
+            n_min: a proposal shorter than this is not verified (llama.cpp's ``--spec-draft-n-min``).
 
         Raises:
             InputError: empty or too long prompt, bad parameters, n_max out of range.
         """
         params.validate()
         self.check_prompt(prompt_ids)
-        if not 0 <= n_max < self.max_rollback:
-            raise InputError(f"draft length must be in 0..{self.max_rollback - 1} (got {n_max})")
+        controller = None
+        if n_max == "auto":
+            controller = AdaptiveDraftLength(n_cap=min(8, self.max_rollback - 1))
+        elif not isinstance(n_max, int) or not 0 <= n_max < self.max_rollback:
+            raise InputError(f"draft length must be in 0..{self.max_rollback - 1} or 'auto' (got {n_max})")
         drafter = drafter or NoDrafter()
         drafter.reset()
         st = stats if stats is not None else RequestStats()
@@ -193,10 +199,13 @@ class Engine:
             start = self.cache.length  # == len(tokens) - 1: the pending token is not cached yet
             room = self.ctx_size - start - 1  # positions left after the pending token
             remaining = params.max_tokens - st.generated_tokens if params.max_tokens != -1 else room
-            k = max(0, min(n_max, room, remaining - 1))
+            t_round = time.perf_counter()
+            k = max(0, min(controller.choose() if controller else n_max, room, remaining - 1))
             ctx = DraftContext(tokens, hidden)
             draft = drafter.propose(ctx, k) if k > 0 else None
             drafts = list(draft.tokens[:k]) if draft else []
+            if len(drafts) < max(n_min, 1):
+                drafts = []
             out = self.model.forward(torch.tensor(tokens[-1:] + drafts), self.cache, all_logits=bool(drafts))
             verdict = self._verify(out.logits, tokens, drafts, draft.dists if draft else None, params, sampler)
             new = drafts[:verdict.n_accepted] + [verdict.next_token]
@@ -219,6 +228,8 @@ class Engine:
             hidden = out.hidden[min(kept, verdict.n_accepted)] if kept else hidden
             drafter.accepted(DraftContext(tokens, hidden), min(verdict.n_accepted, kept))
             t_last = time.perf_counter()
+            if controller:
+                controller.update(len(drafts), verdict.n_accepted, t_last - t_round)
             if shown_ids:
                 yield Event("".join(shown), shown_ids)
             if not stop.reason and len(tokens) >= self.ctx_size:

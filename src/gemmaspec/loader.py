@@ -62,4 +62,37 @@ def load_engine(path=None, ctx_size: int = 4096, device: str = "auto", threads: 
     return Engine(model, loaded.tokenizer, ctx)
 
 
-__all__ = ["load_engine", "load_model", "resolve_device", "GemmaspecError"]
+SPEC_TYPES = ("none", "ngram-simple", "draft-simple", "draft-mtp")
+
+
+def load_drafter(spec_type: str, engine: Engine, draft_model: str | None = None, p_min: float = 0.0,
+                 ngram_max: int = 4, ngram_min: int = 1):
+    """The drafter for ``--spec-type``.
+
+    Raises:
+        InputError: unknown type, missing or incompatible ``-md`` model, bad values.
+    """
+    from .speculative.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, check_same_vocabulary
+
+    if spec_type not in SPEC_TYPES:
+        raise InputError(f"--spec-type must be one of {', '.join(SPEC_TYPES)} (got {spec_type})")
+    if not 0.0 <= p_min <= 1.0:
+        raise InputError(f"--spec-draft-p-min must be in [0, 1] (got {p_min})")
+    if spec_type != "draft-simple" and draft_model:
+        raise InputError(f"-md is used by --spec-type draft-simple, not {spec_type}")
+    if spec_type == "none":
+        return NoDrafter()
+    if spec_type == "ngram-simple":
+        return NgramDrafter(ngram_max, ngram_min)
+    if spec_type == "draft-mtp":
+        raise InputError("--spec-type draft-mtp needs a Gemma 4 target and its MTP assistant; Gemma 4 support "
+                         "is not in this release. Use ngram-simple or draft-simple")
+    if not draft_model:
+        raise InputError("--spec-type draft-simple needs a draft model: -md DRAFT.gguf")
+    device = engine.model.device
+    model, loaded = load_model(draft_model, device)
+    check_same_vocabulary(engine.tokenizer, loaded.tokenizer)
+    return DraftModelDrafter(model, engine.ctx_size, p_min)
+
+
+__all__ = ["load_engine", "load_model", "load_drafter", "resolve_device", "GemmaspecError", "SPEC_TYPES"]

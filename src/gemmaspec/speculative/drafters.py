@@ -69,3 +69,141 @@ class NoDrafter:
 
     def reset(self) -> None:
         pass
+
+
+class NgramDrafter:
+    """Prompt lookup (``--spec-type ngram-simple``): find the latest earlier occurrence of the
+    context's last n tokens and propose what followed it.
+
+    Tries n = ``ngram_max`` down to ``ngram_min``; the longest match wins, the latest occurrence of
+    it breaks ties. Indexes each n-gram once (a dict per n), so a proposal costs O(n_max).
+    Source: Saxena 2023, "Prompt Lookup Decoding"; llama.cpp ``common/ngram-cache`` / ``ngram-simple``.
+
+    Args:
+        ngram_max: longest n-gram to match (default 4).
+        ngram_min: shortest n-gram that counts as a match (default 1).
+    """
+
+    name = "ngram-simple"
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
+        if not 1 <= ngram_min <= ngram_max:
+            from ..errors import InputError
+
+            raise InputError(f"n-gram sizes need 1 <= min <= max (got min {ngram_min}, max {ngram_max})")
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.reset()
+
+    def reset(self) -> None:
+        self.index = {n: {} for n in range(self.ngram_min, self.ngram_max + 1)}
+        self.seen = 0
+        self.tokens: list[int] = []
+
+    def _sync(self, tokens: list[int]) -> None:
+        if tokens[:self.seen] != self.tokens[:self.seen]:  # a different sequence: start over
+            self.reset()
+        for i in range(self.seen, len(tokens)):
+            for n, table in self.index.items():
+                if i >= n:
+                    table[tuple(tokens[i - n:i])] = i  # n-gram ending before i, continued at i
+        self.seen = len(tokens)
+        self.tokens = tokens
+
+    def propose(self, ctx: DraftContext, n_max: int) -> Draft:
+        toks = ctx.tokens
+        self._sync(toks)
+        for n in range(self.ngram_max, self.ngram_min - 1, -1):
+            if len(toks) < n:
+                continue
+            at = self.index[n].get(tuple(toks[-n:]))
+            if at is not None:
+                return Draft(list(toks[at:at + n_max]))
+        return Draft()
+
+    def accepted(self, ctx: DraftContext, n_accepted: int) -> None:
+        pass
+
+
+class DraftModelDrafter:
+    """A separate, smaller model (``--spec-type draft-simple``, ``-md``) with its own KV cache.
+
+    Proposes greedily, one token per draft-model forward, and stops early when its top probability
+    falls below ``p_min`` (llama.cpp's ``--spec-draft-p-min``). Drafts are one-hot (q = 1 on the
+    proposed token), which keeps rejection sampling lossless. Its cache follows the target's
+    sequence: before each proposal it rolls back to the longest common prefix and runs what is new.
+
+    Args:
+        model: a :class:`~gemmaspec.models.base.CausalLM` sharing the target's vocabulary.
+        ctx_size: its context size (the target's).
+        p_min: minimum top probability to keep drafting (0..1).
+    """
+
+    name = "draft-simple"
+
+    def __init__(self, model, ctx_size: int, p_min: float = 0.0):
+        self.model = model
+        self.cache = model.new_cache(ctx_size, max_rollback=16)
+        self.p_min = p_min
+        self.done: list[int] = []  # tokens in the draft cache
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.done = []
+
+    def propose(self, ctx: DraftContext, n_max: int) -> Draft:
+        toks = ctx.tokens
+        common = 0
+        limit = min(len(self.done), len(toks) - 1)
+        while common < limit and self.done[common] == toks[common]:
+            common += 1
+        if len(self.done) - common > self.cache.max_rollback:  # diverged too far: start over
+            common = 0
+            self.cache.reset()
+        else:
+            self.cache.rollback(common)
+        self.done = list(toks[:common])
+        out = None
+        # run everything but the last token, then each draft step feeds the previous choice
+        pending = toks[common:]
+        if len(pending) > 1:
+            for i in range(0, len(pending) - 1, 256):
+                self.model.forward(torch.tensor(pending[i:min(i + 256, len(pending) - 1)]), self.cache)
+            self.done.extend(pending[:-1])
+        last = toks[-1]
+        drafts: list[int] = []
+        for _ in range(n_max):
+            if self.cache.length + 1 >= self.cache.capacity:
+                break
+            out = self.model.forward(torch.tensor([last]), self.cache)
+            self.done.append(last)
+            logits = out.logits[0]
+            tok = int(logits.argmax())
+            if self.p_min > 0 and float(torch.softmax(logits, -1)[tok]) < self.p_min:
+                break
+            drafts.append(tok)
+            last = tok
+        return Draft(drafts)
+
+    def accepted(self, ctx: DraftContext, n_accepted: int) -> None:
+        pass
+
+
+def check_same_vocabulary(target_tok, draft_tok) -> None:
+    """Refuse a target/draft pair whose vocabularies differ.
+
+    Raises:
+        InputError: size, BOS/EOS ids or token strings differ (names the first difference).
+    """
+    from ..errors import InputError
+
+    a, b = target_tok.backend.get_vocab(), draft_tok.backend.get_vocab()
+    if len(a) != len(b):
+        raise InputError(f"the draft model's vocabulary has {len(b)} tokens, the target's {len(a)}: "
+                         "they cannot be paired; use a draft model from the same family")
+    if (target_tok.bos_id, target_tok.eos_id) != (draft_tok.bos_id, draft_tok.eos_id):
+        raise InputError(f"the draft model's BOS/EOS ids ({draft_tok.bos_id}/{draft_tok.eos_id}) differ from the "
+                         f"target's ({target_tok.bos_id}/{target_tok.eos_id}); use a draft model from the same family")
+    if a != b:
+        diff = next(t for t, i in a.items() if b.get(t) != i)
+        raise InputError(f"the draft model's vocabulary differs from the target's (token {diff!r} has id "
+                         f"{a[diff]} in the target, {b.get(diff)} in the draft); use a draft model from the same family")
