@@ -4,10 +4,12 @@ Each round picks the draft length k that maximises expected tokens per second:
 
     tokens(k) = 1 + sum_{j=1..k} prod_{i=1..j} a_i        (a_i: acceptance at draft position i,
                                                             given position i-1 was accepted)
-    seconds(k) = measured time of a round that drafted k tokens (drafting + verify)
+    seconds(k) = the target's forward time over k+1 tokens (measured once per engine, see
+                 :meth:`gemmaspec.engine.Engine.forward_costs`) + the drafter's measured time per round
 
 Both are learned online within the request. Acceptance per position uses exponentially decayed
-counts with a Beta(1, 1) prior, so a run of easy text raises k and hard text lowers it within a few
+counts shrunk towards the previous position's estimate (drafts that survived position i-1 tend to
+survive position i as well; position 0 starts from 1/2), so a run of easy text raises k and hard text lowers it within a few
 rounds, and a position that stopped being tried drifts back to the prior (keeps exploring). Round
 times are decayed averages per k; an untried k is extrapolated from the tried ones with a prior
 marginal cost of ``prior_slope`` × the cheapest round per extra draft token.
@@ -20,20 +22,25 @@ class AdaptiveDraftLength:
     """Online controller of the draft length.
 
     Args:
-        n_cap: largest draft length it may choose (≤ 15).
+        forward_costs: seconds of one target forward over 1, 2, ... tokens (index k = k+1 tokens).
+        n_cap: largest draft length it may choose (≤ len(forward_costs) - 1).
         decay: weight kept by old observations per round (0..1).
-        prior_slope: assumed cost of one more draft token, as a fraction of a plain round.
     """
 
-    def __init__(self, n_cap: int = 8, decay: float = 0.95, prior_slope: float = 0.25):
-        self.n_cap, self.decay, self.prior_slope = n_cap, decay, prior_slope
-        self.reached = [0.0] * n_cap
-        self.acc = [0.0] * n_cap
-        self.time = {}  # k -> decayed mean seconds per round
+    def __init__(self, forward_costs, n_cap: int = 8, decay: float = 0.95):
+        self.costs = list(forward_costs)
+        self.n_cap = min(n_cap, len(self.costs) - 1)
+        self.decay = decay
+        self.reached = [0.0] * self.n_cap
+        self.acc = [0.0] * self.n_cap
+        self.draft_time = 0.0  # decayed mean drafter seconds per round
         self.last_k = 0
 
     def acceptance(self, i: int) -> float:
-        return (self.acc[i] + 1.0) / (self.reached[i] + 2.0)
+        """Estimated acceptance at draft position i given i-1 was accepted: decayed counts shrunk
+        towards position i-1's estimate (position 0: towards 1/2), with a prior weight of 2."""
+        prior = 0.5 if i == 0 else self.acceptance(i - 1)
+        return (self.acc[i] + 2.0 * prior) / (self.reached[i] + 2.0)
 
     def expected_tokens(self, k: int) -> float:
         total, prob = 1.0, 1.0
@@ -43,14 +50,7 @@ class AdaptiveDraftLength:
         return total
 
     def seconds(self, k: int) -> float:
-        if k in self.time:
-            return self.time[k]
-        if not self.time:
-            return 1.0 + self.prior_slope * k
-        base = min(self.time.values())
-        lower = [j for j in self.time if j < k]
-        j = max(lower) if lower else min(self.time)
-        return self.time[j] + self.prior_slope * base * (k - j)
+        return self.costs[k] + (self.draft_time if k else 0.0)
 
     def choose(self) -> int:
         """The draft length for the next round."""
@@ -62,8 +62,8 @@ class AdaptiveDraftLength:
         self.last_k = best
         return best
 
-    def update(self, n_drafted: int, n_accepted: int, seconds: float) -> None:
-        """Record a round: drafts proposed and accepted, and the round's wall time in seconds."""
+    def update(self, n_drafted: int, n_accepted: int, draft_seconds: float) -> None:
+        """Record a round: drafts proposed and accepted, and the seconds the drafter took."""
         for i in range(self.n_cap):
             self.reached[i] *= self.decay
             self.acc[i] *= self.decay
@@ -71,5 +71,5 @@ class AdaptiveDraftLength:
             self.reached[i] += 1.0
             if i < n_accepted:
                 self.acc[i] += 1.0
-        old = self.time.get(n_drafted)
-        self.time[n_drafted] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        if n_drafted:
+            self.draft_time = 0.7 * self.draft_time + 0.3 * draft_seconds
