@@ -248,7 +248,7 @@ class Engine:
             drafter.accepted(DraftContext(tokens, hidden), min(verdict.n_accepted, kept))
             t_last = time.perf_counter()
             if controller:
-                controller.update(len(drafts), verdict.n_accepted, t_drafted - t_round)
+                controller.update(len(drafts), verdict.n_accepted, t_drafted - t_round, t_last - t_round)
             if shown_ids:
                 yield Event("".join(shown), shown_ids)
             if not stop.reason and len(tokens) >= self.ctx_size:

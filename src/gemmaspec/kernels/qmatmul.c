@@ -19,7 +19,13 @@
 #include <immintrin.h>
 #endif
 
-#define MB 4        /* rows of x handled together */
+#define MB 4        /* rows of x held in registers together */
+#define RS 8        /* stride of the per-tile result buffer (most rows of x per pass) */
+#ifdef __AVX512F__
+#define MCHUNK 8    /* rows of x per pass over the weights: 1-4 in registers, 5-8 re-read from L1 */
+#else
+#define MCHUNK 4
+#endif
 #define NR 4        /* output rows handled together (independent accumulator chains) */
 #define NTILE 64   /* output rows per scheduling unit (a multiple of NR) */
 #define PF_BYTES 8192 /* software prefetch distance along the weight stream: one core alone cannot
@@ -39,7 +45,7 @@ static inline __m512 load16(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-/* res[r*MB + m] = sum_k x[m, k] * scale-applied q[r, k] for NR rows of q (row stride K).
+/* res[r*RS + m] = sum_k x[m, k] * scale-applied q[r, k] for NR rows of q (row stride K).
  * M is a compile-time constant at each call site (always_inline), so the accumulators stay in
  * registers. The operation order for a given (r, m) does not depend on M. */
 static inline __attribute__((always_inline)) void tile_dot(const int8_t *const qr[NR], const float *const sr[NR],
@@ -89,7 +95,54 @@ static inline __attribute__((always_inline)) void tile_dot(const int8_t *const q
         }
     }
     for (int r = 0; r < NR; r++)
-        for (int m = 0; m < M; m++) res[r * MB + m] = _mm512_reduce_add_ps(acc[r][m]);
+        for (int m = 0; m < M; m++) res[r * RS + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+/* Same arithmetic as tile_dot for 2 rows of q and M = 5..8 rows of x (x re-read from L1 instead of
+ * held in registers), so a row's result is bit-identical to the M <= 4 path. */
+#define MW 8
+static inline __attribute__((always_inline)) void tile_dot_wide(const int8_t *const qr[2], const float *const sr[2],
+                                                                int K, int G, const float *x, long ldx, const int M,
+                                                                float *res /* [2][MW] */) {
+    __m512 acc[2][MW];
+    for (int r = 0; r < 2; r++)
+        for (int m = 0; m < MW; m++) acc[r][m] = _mm512_setzero_ps();
+    const int nb = K / G;
+    if (G == 32) {
+        for (int b = 0; b < nb; b++) {
+            const int k = b * 32;
+            if ((b & 1) == 0)
+                for (int r = 0; r < 2; r++) {
+                    _mm_prefetch((const char *)(qr[r] + k + PF_BYTES), _MM_HINT_T0);
+                    if ((b & 15) == 0) _mm_prefetch((const char *)(sr[r] + b + PF_BYTES / 8), _MM_HINT_T0);
+                }
+            for (int r = 0; r < 2; r++) {
+                const __m512 w0 = load16(qr[r] + k), w1 = load16(qr[r] + k + 16);
+                const __m512 sc = _mm512_set1_ps(sr[r][b]);
+                for (int m = 0; m < M; m++) {
+                    __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(x + m * ldx + k));
+                    t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * ldx + k + 16), t);
+                    acc[r][m] = _mm512_fmadd_ps(t, sc, acc[r][m]);
+                }
+            }
+        }
+    } else {
+        for (int b = 0; b < nb; b++) {
+            const int k = b * 16;
+            if ((b & 3) == 0)
+                for (int r = 0; r < 2; r++) {
+                    _mm_prefetch((const char *)(qr[r] + k + PF_BYTES), _MM_HINT_T0);
+                    if ((b & 15) == 0) _mm_prefetch((const char *)(sr[r] + b + PF_BYTES / 4), _MM_HINT_T0);
+                }
+            for (int r = 0; r < 2; r++) {
+                const __m512 w = _mm512_mul_ps(load16(qr[r] + k), _mm512_set1_ps(sr[r][b]));
+                for (int m = 0; m < M; m++)
+                    acc[r][m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * ldx + k), acc[r][m]);
+            }
+        }
+    }
+    for (int r = 0; r < 2; r++)
+        for (int m = 0; m < M; m++) res[r * MW + m] = _mm512_reduce_add_ps(acc[r][m]);
 }
 #else
 static inline void tile_dot(const int8_t *const qr[NR], const float *const sr[NR], int K, int G,
@@ -110,7 +163,7 @@ static inline void tile_dot(const int8_t *const qr[NR], const float *const sr[NR
         for (int m = 0; m < M; m++) {
             float v = 0.f;
             for (int u = 0; u < 16; u++) v += acc[m][u];
-            res[r * MB + m] = v;
+            res[r * RS + m] = v;
         }
     }
 }
@@ -118,6 +171,22 @@ static inline void tile_dot(const int8_t *const qr[NR], const float *const sr[NR
 
 static void tile_dispatch(const int8_t *const qr[NR], const float *const sr[NR], int K, int G,
                           const float *x, long ldx, int M, float *res) {
+#ifdef __AVX512F__
+    if (M > MB) { /* 5..8 rows: weights converted once for all of them, two q rows at a time */
+        float w[2 * MW];
+        for (int r0 = 0; r0 < NR; r0 += 2) {
+            switch (M) {
+                case 5: tile_dot_wide(qr + r0, sr + r0, K, G, x, ldx, 5, w); break;
+                case 6: tile_dot_wide(qr + r0, sr + r0, K, G, x, ldx, 6, w); break;
+                case 7: tile_dot_wide(qr + r0, sr + r0, K, G, x, ldx, 7, w); break;
+                default: tile_dot_wide(qr + r0, sr + r0, K, G, x, ldx, 8, w); break;
+            }
+            for (int r = 0; r < 2; r++)
+                for (int m = 0; m < M; m++) res[(r0 + r) * RS + m] = w[r * MW + m];
+        }
+        return;
+    }
+#endif
     switch (M) {
         case 1: tile_dot(qr, sr, K, G, x, ldx, 1, res); break;
         case 2: tile_dot(qr, sr, K, G, x, ldx, 2, res); break;
@@ -145,8 +214,8 @@ void gs_qmatmul(const int8_t *q, const float *s, const float *o, int N, int K, i
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int t = 0; t < ntiles; t++) {
         const int n0 = t * NTILE, n1 = n0 + NTILE < N ? n0 + NTILE : N;
-        for (int m0 = 0; m0 < M; m0 += MB) {
-            const int mm = M - m0 < MB ? M - m0 : MB;
+        for (int m0 = 0; m0 < M; m0 += MCHUNK) {
+            const int mm = M - m0 < MCHUNK ? M - m0 : MCHUNK;
             for (int n = n0; n < n1; n += NR) {
                 const int8_t *qr[NR];
                 const float *sr[NR];
@@ -155,12 +224,12 @@ void gs_qmatmul(const int8_t *q, const float *s, const float *o, int N, int K, i
                     qr[r] = q + row * K;
                     sr[r] = s + row * nb;
                 }
-                float res[NR * MB], off[MB];
+                float res[NR * RS], off[RS];
                 tile_dispatch(qr, sr, K, G, x + (long)m0 * K, K, mm, res);
                 for (int r = 0; r < NR && n + r < n1; r++) {
                     if (o) offsets_term(o + (long)(n + r) * nb, nb, xsum + (long)m0 * nb, mm, off);
                     for (int m = 0; m < mm; m++)
-                        y[(long)(m0 + m) * N + n + r] = res[r * MB + m] + (o ? off[m] : 0.f);
+                        y[(long)(m0 + m) * N + n + r] = res[r * RS + m] + (o ? off[m] : 0.f);
                 }
             }
         }

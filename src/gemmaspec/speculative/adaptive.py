@@ -6,10 +6,12 @@ Each round picks the draft length k that maximises expected tokens per second:
                                                             given position i-1 was accepted)
     seconds(k) = the target's forward time over k+1 tokens (measured once per engine, see
                  :meth:`gemmaspec.engine.Engine.forward_costs`) + the drafter's measured time per round
+                 + the round's measured overhead beyond that forward (the loop, attention over a
+                 longer context), learned online
 
 Both are learned online within the request. Acceptance per position uses exponentially decayed
 counts shrunk towards the previous position's estimate (drafts that survived position i-1 tend to
-survive position i as well; position 0 starts from 1/2), so a run of easy text raises k and hard text lowers it within a few
+survive position i as well; position 0 starts from 0.7), so a run of easy text raises k and hard text lowers it within a few
 rounds, and a position that stopped being tried drifts back to the prior (keeps exploring). Round
 times are decayed averages per k; an untried k is extrapolated from the tried ones with a prior
 marginal cost of ``prior_slope`` × the cheapest round per extra draft token.
@@ -34,13 +36,14 @@ class AdaptiveDraftLength:
         self.reached = [0.0] * self.n_cap
         self.acc = [0.0] * self.n_cap
         self.draft_time = 0.0  # decayed mean drafter seconds per round
+        self.overhead = 0.0  # decayed mean of (round time - calibrated forward time): loop, attention
         self.last_k = 0
 
     def acceptance(self, i: int) -> float:
         """Estimated acceptance at draft position i given i-1 was accepted: decayed counts shrunk
-        towards position i-1's estimate (position 0: towards 1/2), with a prior weight of 2."""
-        prior = 0.5 if i == 0 else self.acceptance(i - 1)
-        return (self.acc[i] + 2.0 * prior) / (self.reached[i] + 2.0)
+        towards position i-1's estimate (position 0: towards 0.7), with a prior weight of 1."""
+        prior = 0.7 if i == 0 else self.acceptance(i - 1)
+        return (self.acc[i] + prior) / (self.reached[i] + 1.0)
 
     def expected_tokens(self, k: int) -> float:
         total, prob = 1.0, 1.0
@@ -50,7 +53,7 @@ class AdaptiveDraftLength:
         return total
 
     def seconds(self, k: int) -> float:
-        return self.costs[k] + (self.draft_time if k else 0.0)
+        return max(1e-6, self.costs[k] + self.overhead + (self.draft_time if k else 0.0))
 
     def choose(self) -> int:
         """The draft length for the next round."""
@@ -62,14 +65,18 @@ class AdaptiveDraftLength:
         self.last_k = best
         return best
 
-    def update(self, n_drafted: int, n_accepted: int, draft_seconds: float) -> None:
-        """Record a round: drafts proposed and accepted, and the seconds the drafter took."""
+    def update(self, n_drafted: int, n_accepted: int, draft_seconds: float, round_seconds: float | None = None) -> None:
+        """Record a round: drafts proposed and accepted, the drafter's seconds and the whole round's."""
         for i in range(self.n_cap):
             self.reached[i] *= self.decay
             self.acc[i] *= self.decay
-        for i in range(min(n_drafted, self.n_cap)):
+        # position i is tested only when positions 0..i-1 were accepted: 0..n_accepted, capped
+        for i in range(min(n_drafted, n_accepted + 1, self.n_cap)):
             self.reached[i] += 1.0
             if i < n_accepted:
                 self.acc[i] += 1.0
         if n_drafted:
             self.draft_time = 0.7 * self.draft_time + 0.3 * draft_seconds
+        if round_seconds is not None and n_drafted < len(self.costs):
+            extra = round_seconds - draft_seconds - self.costs[n_drafted]
+            self.overhead = 0.8 * self.overhead + 0.2 * extra
