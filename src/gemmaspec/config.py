@@ -57,3 +57,135 @@ class Gemma3Config:
         data = json.loads(text)
         data["layer_types"] = tuple(data.get("layer_types", ()))
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class Gemma4Config:
+    """Gemma 4 text model hyper-parameters (transformers ``Gemma4TextConfig``; GGUF arch ``gemma4``).
+
+    Sliding layers use ``head_dim`` and RoPE base ``rope_theta_local`` over the whole head; full layers
+    use ``global_head_dim`` and "proportional" RoPE: only the first ``partial_rotary_factor`` of the
+    frequencies rotate, with base ``rope_theta_global``. The last ``num_kv_shared_layers`` layers
+    have no K/V projections and read the K/V of the last earlier layer of the same type.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 256
+    global_head_dim: int = 512
+    num_global_kv_heads: int | None = None  # full layers when attention_k_eq_v
+    rms_norm_eps: float = 1e-6
+    context_length: int = 131072
+    sliding_window: int = 512
+    rope_theta_local: float = 10_000.0
+    rope_theta_global: float = 1_000_000.0
+    partial_rotary_factor: float = 0.25
+    final_logit_softcapping: float | None = 30.0
+    layer_types: tuple[str, ...] = field(default=())
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    enable_moe_block: bool = False
+    num_experts: int = 0
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
+    bos_token_id: int = 2
+    eos_token_id: int = 1
+    architecture: str = "gemma4"
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            types = tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(self.num_layers))
+            object.__setattr__(self, "layer_types", types)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+
+    def layer_kv_heads(self, i: int) -> int:
+        if self.layer_types[i] == "full" and self.attention_k_eq_v and self.num_global_kv_heads:
+            return self.num_global_kv_heads
+        return self.num_kv_heads
+
+    def layer_head_dim(self, i: int) -> int:
+        return self.global_head_dim if self.layer_types[i] == "full" else self.head_dim
+
+    def kv_source(self) -> list[int]:
+        """For each layer, the layer whose K/V it attends over (itself unless KV-shared).
+
+        Raises:
+            ValueError: a shared layer's type has no earlier unshared layer to read from.
+        """
+        first_shared = self.num_layers - self.num_kv_shared_layers
+        last_of_type = {}
+        for i in range(first_shared):
+            last_of_type[self.layer_types[i]] = i
+        src = []
+        for i in range(self.num_layers):
+            if i < first_shared:
+                src.append(i)
+            elif self.layer_types[i] in last_of_type:
+                src.append(last_of_type[self.layer_types[i]])
+            else:
+                raise ValueError(f"KV-shared layer {i} ({self.layer_types[i]}) has no earlier layer of its type")
+        return src
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Gemma4Config":
+        data = json.loads(text)
+        data["layer_types"] = tuple(data.get("layer_types", ()))
+        return cls(**data)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Gemma4Config":
+        """From a transformers ``config.json`` dict (``text_config`` of a multimodal checkpoint, or
+        the text config itself).
+
+        Raises:
+            ValueError: a required key is missing.
+        """
+        c = cfg.get("text_config", cfg)
+        need = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads")
+        missing = [k for k in need if k not in c]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
+        rope = c.get("rope_parameters") or {}
+        full_rope = rope.get("full_attention") or {}
+        slide_rope = rope.get("sliding_attention") or {}
+        types = tuple("full" if t == "full_attention" else "sliding" for t in (c.get("layer_types") or ()))
+        eos = c.get("eos_token_id", 1)
+        global_head_dim = c.get("global_head_dim", 512)
+        global_kv = c.get("num_global_key_value_heads")
+        # transformers >= 5.2x saves full-layer shapes as per-layer overrides instead
+        for idx, over in (c.get("per_layer_config") or {}).items():
+            if types and types[int(idx)] == "full" and isinstance(over, dict):
+                global_head_dim = over.get("head_dim", global_head_dim)
+                global_kv = over.get("num_key_value_heads", global_kv)
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
+            intermediate_size=c["intermediate_size"], num_heads=c["num_attention_heads"],
+            num_kv_heads=c["num_key_value_heads"], head_dim=c.get("head_dim", 256),
+            global_head_dim=global_head_dim, num_global_kv_heads=global_kv,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6), context_length=c.get("max_position_embeddings", 131072),
+            sliding_window=c.get("sliding_window", 512),
+            rope_theta_local=slide_rope.get("rope_theta", 10_000.0),
+            rope_theta_global=full_rope.get("rope_theta", 1_000_000.0),
+            partial_rotary_factor=full_rope.get("partial_rotary_factor", 0.25),
+            final_logit_softcapping=c.get("final_logit_softcapping"), layer_types=types,
+            hidden_size_per_layer_input=c.get("hidden_size_per_layer_input") or 0,
+            vocab_size_per_layer_input=c.get("vocab_size_per_layer_input") or 0,
+            attention_k_eq_v=bool(c.get("attention_k_eq_v", False)),
+            num_kv_shared_layers=c.get("num_kv_shared_layers", 0) or 0,
+            use_double_wide_mlp=bool(c.get("use_double_wide_mlp", False)),
+            enable_moe_block=bool(c.get("enable_moe_block", False)), num_experts=c.get("num_experts") or 0,
+            top_k_experts=c.get("top_k_experts") or 0, moe_intermediate_size=c.get("moe_intermediate_size") or 0,
+            bos_token_id=c.get("bos_token_id", 2), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )

@@ -80,6 +80,8 @@ class KVCache:
         layer_windows: per layer, the sliding window (int) or None for full attention.
         capacity: the most positions the sequence may reach (the context size, ``-c``).
         num_kv_heads, head_dim: per-layer K/V shape.
+        shapes: optional per-layer ``(num_kv_heads, head_dim)`` overriding the two above, or None
+            for a layer that keeps no K/V of its own (Gemma 4's KV-shared layers).
         max_rollback: how many positions :meth:`rollback` may undo beyond the furthest position
             ever written (default 16, enough for speculative rounds of up to 15 draft tokens).
 
@@ -88,19 +90,23 @@ class KVCache:
     """
 
     def __init__(self, layer_windows, capacity: int, num_kv_heads: int, head_dim: int,
-                 max_rollback: int = 16, device="cpu", dtype=torch.float32):
+                 max_rollback: int = 16, device="cpu", dtype=torch.float32, shapes=None):
         self.capacity = capacity
         self.max_rollback = max_rollback
         self.device = torch.device(device)
         self.layers = []
         self.window = None
         self.ring_rows = None
-        for w in layer_windows:
+        for i, w in enumerate(layer_windows):
+            shape = (num_kv_heads, head_dim) if shapes is None else shapes[i]
+            if shape is None:  # a layer that reads another layer's K/V keeps none of its own
+                self.layers.append(None)
+                continue
             ring = w is not None and w + max_rollback < capacity
             rows = w + max_rollback if ring else capacity
             if ring:
                 self.window, self.ring_rows = w, rows
-            self.layers.append(LayerKV(rows, num_kv_heads, head_dim, w if ring else None, self.device, dtype))
+            self.layers.append(LayerKV(rows, shape[0], shape[1], w if ring else None, self.device, dtype))
         self.length = 0
         self._high = 0  # furthest position count ever written since reset
         # position held by each ring row (-1: empty); identical for every ring layer

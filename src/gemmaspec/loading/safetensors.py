@@ -1,0 +1,117 @@
+"""Loading Hugging Face checkpoints: a directory with ``config.json`` and ``model.safetensors``
+(or shards listed in ``model.safetensors.index.json``), read with the ``safetensors`` package.
+
+Text weights of multimodal checkpoints (``model.language_model.*``) and of text-only ones
+(``model.*``) load under the text model's names; vision and audio towers are skipped. Tensors are
+memory-mapped and converted to float32 one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import Gemma4Config
+from ..errors import ModelFileError, UnsupportedArchitectureError
+
+SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text")
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+_SKIP = ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector")
+
+
+def read_config(path: Path) -> dict:
+    """``config.json`` of a checkpoint directory as a dict.
+
+    Raises:
+        ModelFileError: no directory, no config.json, or it is not valid JSON.
+    """
+    if not path.is_dir():
+        raise ModelFileError(f"{path} is not a checkpoint directory (expected config.json and *.safetensors)")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ModelFileError(f"{path} has no config.json; it is not a Hugging Face checkpoint")
+    try:
+        return json.loads(cfg_file.read_text())
+    except (ValueError, OSError) as exc:
+        raise ModelFileError(f"{cfg_file} is not valid JSON ({exc})") from None
+
+
+def _shards(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, OSError) as exc:
+            raise ModelFileError(f"{index} is not a valid safetensors index ({exc})") from None
+        return [path / f for f in files]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise ModelFileError(f"{path} has no *.safetensors weights")
+    return found
+
+
+def _text_name(name: str) -> str | None:
+    if any(s in name for s in _SKIP):
+        return None
+    if name == "lm_head.weight":
+        return name
+    for prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return None
+
+
+def load_tensors(path: Path) -> dict:
+    """Text-model tensors of a checkpoint directory, as float32 (names without the text prefix).
+
+    Raises:
+        ModelFileError: a shard is missing, truncated or not safetensors.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    for shard in _shards(path):
+        if not shard.exists():
+            raise ModelFileError(f"{shard} is listed in the index but missing")
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for name in f.keys():
+                    text = _text_name(name)
+                    if text is not None:
+                        out[text] = f.get_tensor(name).to(torch.float32)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelFileError(f"{shard} is not a readable safetensors file ({exc}); download it again") from None
+    return out
+
+
+def load_gemma4_dir(path: str | Path):
+    """``(config, Gemma4Model)`` of a Gemma 4 text (or multimodal) checkpoint directory, float32.
+
+    Raises:
+        UnsupportedArchitectureError: the checkpoint is not a Gemma 4 model.
+        ModelFileError: unreadable files, bad config, or a tensor the architecture needs is missing.
+    """
+    from ..models.gemma4 import Gemma4Model
+
+    path = Path(path)
+    cfg = read_config(path)
+    mtype = cfg.get("model_type")
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedArchitectureError(
+            f"{path}: model_type '{mtype}' is not supported here; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:
+        config = Gemma4Config.from_hf(cfg)
+        config.kv_source()
+    except ValueError as exc:
+        raise ModelFileError(f"{path}/config.json: {exc}") from None
+    weights = load_tensors(path)
+    try:
+        model = Gemma4Model(config, weights)
+    except KeyError as exc:
+        raise ModelFileError(f"{path}: tensor {exc.args[0]} is missing; the checkpoint is incomplete") from None
+    return config, model
