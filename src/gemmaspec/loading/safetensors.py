@@ -66,8 +66,9 @@ def _text_name(name: str) -> str | None:
     return None
 
 
-def load_tensors(path: Path) -> dict:
-    """Text-model tensors of a checkpoint directory, as float32 (names without the text prefix).
+def load_tensors(path: Path, strip_prefix: bool = True) -> dict:
+    """Text-model tensors of a checkpoint directory: floating point ones as float32, integer ones
+    (index buffers) as stored. Names lose the text prefix unless ``strip_prefix`` is False.
 
     Raises:
         ModelFileError: a shard is missing, truncated or not safetensors.
@@ -81,9 +82,10 @@ def load_tensors(path: Path) -> dict:
         try:
             with safe_open(str(shard), framework="pt") as f:
                 for name in f.keys():
-                    text = _text_name(name)
+                    text = _text_name(name) if strip_prefix else name
                     if text is not None:
-                        out[text] = f.get_tensor(name).to(torch.float32)
+                        t = f.get_tensor(name)
+                        out[text] = t.to(torch.float32) if t.is_floating_point() else t
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelFileError(f"{shard} is not a readable safetensors file ({exc}); download it again") from None
     return out
@@ -115,3 +117,34 @@ def load_gemma4_dir(path: str | Path):
     except KeyError as exc:
         raise ModelFileError(f"{path}: tensor {exc.args[0]} is missing; the checkpoint is incomplete") from None
     return config, model
+
+
+def load_gemma4_assistant_dir(path: str | Path):
+    """A Gemma 4 assistant (MTP drafter) checkpoint directory as a
+    :class:`~gemmaspec.models.gemma4_assistant.Gemma4Assistant`.
+
+    Raises:
+        UnsupportedArchitectureError: not a ``gemma4_assistant`` checkpoint.
+        ModelFileError: unreadable files, bad config, a missing tensor.
+    """
+    from ..models.gemma4_assistant import Gemma4Assistant
+
+    path = Path(path)
+    cfg = read_config(path)
+    if cfg.get("model_type") != "gemma4_assistant":
+        raise UnsupportedArchitectureError(
+            f"{path}: model_type '{cfg.get('model_type')}' is not a Gemma 4 assistant (gemma4_assistant); "
+            "-md for --spec-type draft-mtp takes the assistant checkpoint that ships with the target")
+    try:
+        text = Gemma4Config.from_hf(cfg.get("text_config") or {})
+        backbone = int(cfg["backbone_hidden_size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelFileError(f"{path}/config.json: {exc}") from None
+    clustered = None
+    if cfg.get("use_ordered_embeddings"):
+        clustered = (int(cfg.get("num_centroids", 2048)), int(cfg.get("centroid_intermediate_top_k", 32)))
+    weights = load_tensors(path, strip_prefix=False)
+    try:
+        return Gemma4Assistant(text, backbone, weights, clustered)
+    except KeyError as exc:
+        raise ModelFileError(f"{path}: tensor {exc.args[0]} is missing; the checkpoint is incomplete") from None

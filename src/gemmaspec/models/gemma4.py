@@ -57,6 +57,10 @@ class Gemma4Model:
         self.head = weights.get("lm_head.weight", self.embed)
         self.embed_scale = torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32)
 
+    def embed_row(self, token: int) -> torch.Tensor:
+        """The scaled input embedding of one token, float32 [hidden] (what the MTP assistant reads)."""
+        return self.embed[token] * self.embed_scale
+
     def required_tensors(self) -> list[str]:
         """Names this configuration needs (absent K/V of KV-shared layers are not among them)."""
         c = self.config

@@ -207,3 +207,95 @@ def check_same_vocabulary(target_tok, draft_tok) -> None:
         diff = next(t for t, i in a.items() if b.get(t) != i)
         raise InputError(f"the draft model's vocabulary differs from the target's (token {diff!r} has id "
                          f"{a[diff]} in the target, {b.get(diff)} in the draft); use a draft model from the same family")
+
+
+class MTPDrafter:
+    """Gemma 4's assistant as a drafter (``--spec-type draft-mtp``).
+
+    Reads the target's last hidden state (``ctx.hidden``) and the target's KV cache as it stands
+    (positions 0..p-1, p = the last token's position); every draft step of a round runs at p.
+    Proposes nothing before the target has produced a hidden state. Source: transformers
+    ``SinglePositionMultiTokenCandidateGenerator``; see :mod:`gemmaspec.models.gemma4_assistant`.
+
+    Args:
+        assistant: a :class:`~gemmaspec.models.gemma4_assistant.Gemma4Assistant`.
+        target: the :class:`~gemmaspec.models.gemma4.Gemma4Model` it drafts for.
+        cache: the target's KV cache (the engine's).
+    """
+
+    name = "draft-mtp"
+
+    def __init__(self, assistant, target, cache):
+        self.assistant, self.target, self.cache = assistant, target, cache
+        tc = target.config
+        first_shared = tc.num_layers - tc.num_kv_shared_layers
+        self.producer = {}
+        for i in range(first_shared):
+            self.producer[tc.layer_types[i]] = i
+
+    def reset(self) -> None:
+        pass
+
+    def accepted(self, ctx: DraftContext, n_accepted: int) -> None:
+        pass
+
+    def target_kv(self, p: int) -> dict:
+        """Per layer type: (keys, values, mask [1, L] or None) that a query at position p sees."""
+        window = self.target.config.sliding_window
+        out = {}
+        for kind, j in self.producer.items():
+            layer = self.cache.layers[j]
+            if layer.window is None:  # rows are positions 0..capacity-1
+                keys, values = layer.k[:p], layer.v[:p]
+                mask = None
+                if kind == "sliding" and p > window - 1:
+                    mask = (torch.arange(p, device=keys.device) > p - window)[None]
+            else:  # ring buffer: rows hold the positions in cache.slot_pos
+                slot = self.cache.slot_pos
+                mask = ((slot >= 0) & (slot < p) & (slot > p - window))[None]
+                keys, values = layer.k, layer.v
+            out[kind] = (keys, values, mask)
+        return out
+
+    def propose(self, ctx: DraftContext, n_max: int) -> Draft:
+        if ctx.hidden is None or n_max <= 0:  # no target state yet: never draft from undefined input
+            return Draft()
+        p = len(ctx.tokens) - 1
+        if p != self.cache.length:
+            raise RuntimeError(f"MTP drafter out of step: position {p}, target cache holds {self.cache.length}")
+        kv = self.target_kv(p)
+        tok, h = ctx.tokens[-1], ctx.hidden
+        drafts = []
+        with torch.inference_mode():
+            for _ in range(n_max):
+                logits, h = self.assistant.step(self.target.embed_row(tok), h, p, kv)
+                tok = int(logits.argmax())
+                drafts.append(tok)
+        return Draft(drafts)
+
+
+def check_mtp_pair(target, assistant) -> None:
+    """Refuse a target/assistant pair that cannot work together.
+
+    Raises:
+        InputError: the target is not Gemma 4, or widths, vocabulary or head dims differ.
+    """
+    from ..errors import InputError
+    from ..models.gemma4 import Gemma4Model
+
+    if not isinstance(target, Gemma4Model):
+        raise InputError("--spec-type draft-mtp needs a Gemma 4 target; this target is "
+                         f"{getattr(target.config, 'architecture', type(target).__name__)}")
+    tc, ac = target.config, assistant.config
+    problems = []
+    if assistant.backbone_hidden_size != tc.hidden_size:
+        problems.append(f"the assistant was trained for a target of width {assistant.backbone_hidden_size}, "
+                        f"this target's width is {tc.hidden_size}")
+    if assistant.head.shape[0] != tc.vocab_size:
+        problems.append(f"vocabularies differ ({assistant.head.shape[0]} vs {tc.vocab_size} tokens)")
+    if (ac.head_dim, ac.global_head_dim) != (tc.head_dim, tc.global_head_dim):
+        problems.append(f"head dims differ (assistant {ac.head_dim}/{ac.global_head_dim}, "
+                        f"target {tc.head_dim}/{tc.global_head_dim})")
+    if problems:
+        raise InputError("this assistant does not belong to this target: " + "; ".join(problems)
+                         + ". Use the assistant released with the target")

@@ -1,0 +1,160 @@
+"""The Gemma 4 MTP assistant drafter against transformers' reference, on tiny random checkpoints."""
+
+import json
+
+import pytest
+import torch
+
+from gemmaspec.engine import Engine, RequestStats
+from gemmaspec.errors import InputError
+from gemmaspec.loading.safetensors import load_gemma4_assistant_dir, load_gemma4_dir
+from gemmaspec.sampling import SamplingParams
+from gemmaspec.speculative.drafters import DraftContext, MTPDrafter, check_mtp_pair
+
+pytestmark = pytest.mark.reference
+
+VOCAB, WINDOW = 300, 16
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+               "sliding_attention", "full_attention"]
+TARGET = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=WINDOW,
+              layer_types=LAYER_TYPES, max_position_embeddings=512, final_logit_softcapping=30.0,
+              hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2)
+ASSISTANT_TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                      sliding_window=WINDOW, max_position_embeddings=512, hidden_size_per_layer_input=0,
+                      vocab_size_per_layer_input=0,
+                      layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
+
+
+def _randomize(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("scale"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.7 / p.shape[-1] ** 0.5))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(ref target, ref assistant, ref clustered assistant, our target, our assistant, our clustered)."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+
+    root = tmp_path_factory.mktemp("mtp")
+    target = Gemma4ForCausalLM(Gemma4TextConfig(**TARGET)).eval()
+    _randomize(target, 1)
+    target.save_pretrained(root / "target")
+    out = [target]
+    for clustered in (False, True):
+        cfg = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**ASSISTANT_TEXT), backbone_hidden_size=64,
+                                    use_ordered_embeddings=clustered, num_centroids=10, centroid_intermediate_top_k=3)
+        asst = Gemma4AssistantForCausalLM(cfg).eval()
+        _randomize(asst, 2)
+        if clustered:
+            asst.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3)))
+        asst.generation_config.num_assistant_tokens = 3
+        d = root / f"assistant_{clustered}"
+        asst.save_pretrained(d)
+        out.append(asst)
+    _, ours = load_gemma4_dir(root / "target")
+    out += [ours, load_gemma4_assistant_dir(root / "assistant_False"), load_gemma4_assistant_dir(root / "assistant_True")]
+    return out
+
+
+def _ref_drafts(ref_target, ref_asst, ids, k):
+    with torch.no_grad():
+        out = ref_target(torch.tensor([ids]), output_hidden_states=True, return_shared_kv_states=True)
+        p = len(ids)
+        pending = int(out.logits[0, -1].argmax())
+        kv = out.shared_kv_states
+        shared = {"full_attention": (kv["full_attention"][0][:, :, :p], kv["full_attention"][1][:, :, :p]),
+                  "sliding_attention": tuple(t[:, :, max(0, p - WINDOW + 1):p] for t in kv["sliding_attention"])}
+        h = out.hidden_states[-1][:, -1:]
+        tok = torch.tensor([[pending]])
+        drafts = []
+        for _ in range(k):
+            emb = ref_target.get_input_embeddings()(tok)
+            o = ref_asst(inputs_embeds=torch.cat([emb, h], -1), position_ids=torch.tensor([[p]]),
+                         shared_kv_states=shared)
+            tok = o.logits.argmax(-1)
+            h = o.last_hidden_state
+            drafts.append(int(tok))
+    return pending, drafts
+
+
+@pytest.mark.parametrize("clustered", [False, True])
+@pytest.mark.parametrize("prompt_len", [10, 40])  # 40 crosses the 16-token window
+def test_drafts_equal_reference(pair, clustered, prompt_len):
+    ref_t, ref_a, ref_ac, ours_t, ours_a, ours_ac = pair
+    ids = torch.randint(3, VOCAB, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    cache = ours_t.new_cache(128)
+    out = ours_t.forward(torch.tensor(ids), cache)
+    pending = int(out.logits[0].argmax())
+    drafter = MTPDrafter(ours_ac if clustered else ours_a, ours_t, cache)
+    for k in (1, 2, 3, 4):
+        want_pending, want = _ref_drafts(ref_t, ref_ac if clustered else ref_a, ids, k)
+        assert pending == want_pending
+        got = drafter.propose(DraftContext(ids + [pending], out.hidden[-1]), k).tokens
+        assert got == want, (k, got, want)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from gemmaspec.tokenizer import GemmaTokenizer
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    return GemmaTokenizer(Tokenizer(WordLevel(vocab, unk_token="<pad>")), 2, 1, True, None)
+
+
+@pytest.mark.parametrize("prompt_len", [8, 30])
+def test_greedy_draft_mtp_equals_plain_and_reference(pair, prompt_len):
+    ref_t, ref_a, _, ours_t, ours_a, _ = pair
+    ids = torch.randint(3, VOCAB, (prompt_len,), generator=torch.Generator().manual_seed(7)).tolist()
+    engine = Engine(ours_t, _tokenizer(), ctx_size=128)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [t for ev in engine.generate(ids, params) for t in ev.tokens]
+    st = RequestStats()
+    drafter = MTPDrafter(ours_a, ours_t, engine.cache)
+    spec = [t for ev in engine.generate(ids, params, drafter, 2, st) for t in ev.tokens]
+    assert spec == plain
+    assert st.spec.drafted > 0
+    with torch.no_grad():
+        ref = ref_t.generate(torch.tensor([ids]), assistant_model=ref_a, max_new_tokens=24, min_new_tokens=24,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)[0, prompt_len:].tolist()
+    assert spec == ref
+
+
+def test_no_hidden_state_no_draft(pair):
+    _, _, _, ours_t, ours_a, _ = pair
+    drafter = MTPDrafter(ours_a, ours_t, ours_t.new_cache(32))
+    assert drafter.propose(DraftContext([2, 5], None), 3).tokens == []
+
+
+def test_mismatched_pair_refused(pair, tmp_path):
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    _, _, _, ours_t, _, _ = pair
+    cfg = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**ASSISTANT_TEXT), backbone_hidden_size=48)
+    Gemma4AssistantForCausalLM(cfg).save_pretrained(tmp_path / "wrong")
+    with pytest.raises(InputError, match="width 48"):
+        check_mtp_pair(ours_t, load_gemma4_assistant_dir(tmp_path / "wrong"))
+
+
+def test_truncated_assistant_is_a_clear_error(pair, tmp_path):
+    from gemmaspec.errors import ModelFileError
+
+    _, ref_a, _, _, _, _ = pair
+    ref_a.save_pretrained(tmp_path / "a")
+    f = tmp_path / "a" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(ModelFileError, match="not a readable safetensors"):
+        load_gemma4_assistant_dir(tmp_path / "a")
+    (tmp_path / "a" / "config.json").write_text(json.dumps({"model_type": "gemma4_text"}))
+    from gemmaspec.errors import UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError, match="not a Gemma 4 assistant"):
+        load_gemma4_assistant_dir(tmp_path / "a")
