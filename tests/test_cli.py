@@ -142,7 +142,7 @@ def test_draft_model_with_itself_accepts_everything(model_path):
     (["--spec-type", "ngram-simple", "--spec-draft-n-max", "16"], "0..15"),
     (["--spec-type", "draft-simple"], "needs a draft model"),
     (["--spec-type", "draft-simple", "-md", "/nonexistent.gguf"], "not found"),
-    (["--spec-type", "draft-mtp"], "Gemma 4"),
+    (["--spec-type", "draft-mtp"], "assistant"),
     (["--spec-type", "ngram-simple", "--spec-ngram-size", "2", "--spec-ngram-min", "3"], "n-gram sizes"),
 ])
 def test_speculative_bad_flags(model_path, flags, needle):

@@ -17,7 +17,8 @@ from .errors import GemmaspecError, InputError
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF model file (default: the embedded Gemma 3 270M)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (0 = the model's; default 4096)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None,
+                   help="context size in tokens (0 = the model's; default 4096 or the model's, if smaller)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default auto)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
 

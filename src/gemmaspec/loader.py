@@ -35,9 +35,12 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def load_model(path: str | os.PathLike | None, device: torch.device) -> tuple[Gemma3Model, LoadedModel]:
-    """Load a GGUF (the default model when ``path`` is None) onto ``device``."""
+def load_model(path: str | os.PathLike | None, device: torch.device):
+    """Load a model onto ``device``: a GGUF file (the default model when ``path`` is None) or a
+    Hugging Face checkpoint directory (Gemma 4). Returns ``(model, LoadedModel)``."""
     p = Path(path) if path else default_model_path()
+    if p.is_dir():
+        return _load_hf_target(p, device)
     loaded = load_gguf(p)
     weights = loaded.weights
     if device.type != "cpu":
@@ -45,8 +48,23 @@ def load_model(path: str | os.PathLike | None, device: torch.device) -> tuple[Ge
     return Gemma3Model(loaded.config, weights, device), loaded
 
 
-def load_engine(path=None, ctx_size: int = 4096, device: str = "auto", threads: int | None = None) -> Engine:
+def _load_hf_target(path: Path, device: torch.device):
+    from .loading.safetensors import load_gemma4_dir, read_config
+    from .tokenizer import GemmaTokenizer
+
+    config, model = load_gemma4_dir(path)
+    tokenizer = GemmaTokenizer.from_hf_dir(path, read_config(path))
+    if device.type != "cpu":
+        model = model.to(device)
+    return model, LoadedModel(path, config, model.w, tokenizer, {})
+
+
+def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", threads: int | None = None) -> Engine:
     """A ready :class:`Engine`.
+
+    Args:
+        path: GGUF file or Gemma 4 checkpoint directory (None: the default model).
+        ctx_size: context size in tokens; None = min(4096, the model's), 0 = the model's.
 
     Raises:
         GemmaspecError: bad file, unsupported model, bad device or context size.
@@ -54,6 +72,8 @@ def load_engine(path=None, ctx_size: int = 4096, device: str = "auto", threads: 
     set_threads(threads)
     dev = resolve_device(device)
     model, loaded = load_model(path, dev)
+    if ctx_size is None:  # default: 4096, or the model's context when that is smaller
+        ctx_size = min(4096, loaded.config.context_length)
     ctx = ctx_size if ctx_size > 0 else loaded.config.context_length
     if ctx > loaded.config.context_length:
         raise InputError(f"-c {ctx} exceeds the model's context of {loaded.config.context_length} tokens")
@@ -78,15 +98,21 @@ def load_drafter(spec_type: str, engine: Engine, draft_model: str | None = None,
         raise InputError(f"--spec-type must be one of {', '.join(SPEC_TYPES)} (got {spec_type})")
     if not 0.0 <= p_min <= 1.0:
         raise InputError(f"--spec-draft-p-min must be in [0, 1] (got {p_min})")
-    if spec_type != "draft-simple" and draft_model:
-        raise InputError(f"-md is used by --spec-type draft-simple, not {spec_type}")
+    if spec_type not in ("draft-simple", "draft-mtp") and draft_model:
+        raise InputError(f"-md is used by --spec-type draft-simple or draft-mtp, not {spec_type}")
     if spec_type == "none":
         return NoDrafter()
     if spec_type == "ngram-simple":
         return NgramDrafter(ngram_max, ngram_min)
     if spec_type == "draft-mtp":
-        raise InputError("--spec-type draft-mtp needs a Gemma 4 target and its MTP assistant; Gemma 4 support "
-                         "is not in this release. Use ngram-simple or draft-simple")
+        from .loading.safetensors import load_gemma4_assistant_dir
+        from .speculative.drafters import MTPDrafter, check_mtp_pair
+
+        if not draft_model:
+            raise InputError("--spec-type draft-mtp needs the target's assistant: -md ASSISTANT_DIR")
+        assistant = load_gemma4_assistant_dir(draft_model)
+        check_mtp_pair(engine.model, assistant)
+        return MTPDrafter(assistant, engine.model, engine.cache)
     if not draft_model:
         raise InputError("--spec-type draft-simple needs a draft model: -md DRAFT.gguf")
     device = engine.model.device

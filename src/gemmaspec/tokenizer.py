@@ -77,6 +77,50 @@ class GemmaTokenizer:
         return cls(backend, int(tok_dict.get("bos_token_id", 2)), int(tok_dict.get("eos_token_id", 1)),
                    bool(tok_config.get("add_bos_token", True)), template)
 
+    @classmethod
+    def from_hf_dir(cls, directory: Path, config: dict | None = None) -> "GemmaTokenizer":
+        """From a Hugging Face checkpoint's ``tokenizer.json`` (+ ``tokenizer_config.json``,
+        ``chat_template.jinja`` when present).
+
+        Raises:
+            ModelFileError: no tokenizer.json, or it does not load.
+        """
+        from tokenizers import Tokenizer
+
+        directory = Path(directory)
+        tj = directory / "tokenizer.json"
+        if not tj.exists():
+            raise ModelFileError(f"{directory} has no tokenizer.json; gemmaspec needs the checkpoint's tokenizer")
+        try:
+            backend = Tokenizer.from_file(str(tj))
+        except Exception as exc:  # tokenizers raises its own Exception subclass
+            raise ModelFileError(f"{tj} does not load as a tokenizer ({exc})") from None
+        backend.post_processor = None
+        tc = {}
+        tcf = directory / "tokenizer_config.json"
+        if tcf.exists():
+            try:
+                tc = json.loads(tcf.read_text())
+            except ValueError as exc:
+                raise ModelFileError(f"{tcf} is not valid JSON ({exc})") from None
+        config = config or {}
+        text_cfg = config.get("text_config", config)
+
+        def special(key, name, default):
+            tid = text_cfg.get(key, config.get(key))
+            if isinstance(tid, list):
+                tid = tid[0]
+            if tid is None:
+                tid = backend.token_to_id(tc.get(name) if isinstance(tc.get(name), str) else f"<{name[:-6]}>")
+            return default if tid is None else int(tid)
+
+        template = tc.get("chat_template")
+        jinja = directory / "chat_template.jinja"
+        if template is None and jinja.exists():
+            template = jinja.read_text()
+        return cls(backend, special("bos_token_id", "bos_token", 2), special("eos_token_id", "eos_token", 1),
+                   bool(tc.get("add_bos_token", True)), template)
+
     def save(self, directory: Path) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_meta.json`` into ``directory``."""
         self.backend.save(str(Path(directory) / "tokenizer.json"))

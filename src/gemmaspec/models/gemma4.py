@@ -57,6 +57,10 @@ class Gemma4Model:
         self.head = weights.get("lm_head.weight", self.embed)
         self.embed_scale = torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32)
 
+    def to(self, device) -> "Gemma4Model":
+        """The same model with every weight on ``device``."""
+        return Gemma4Model(self.config, {k: v.to(device) for k, v in self.w.items()}, device)
+
     def embed_row(self, token: int) -> torch.Tensor:
         """The scaled input embedding of one token, float32 [hidden] (what the MTP assistant reads)."""
         return self.embed[token] * self.embed_scale
