@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="print a model file's architecture, config and tensor types")
     i.add_argument("model", help="GGUF model file")
+
+    cv = sub.add_parser("convert", help="write a Gemma 4 checkpoint directory (target or assistant) as GGUF")
+    cv.add_argument("hf_dir", help="Hugging Face checkpoint directory")
+    cv.add_argument("out", help="output .gguf")
+    cv.add_argument("--outtype", default="bf16", choices=["f32", "f16", "bf16", "q8_0"],
+                    help="type of the 2-D weights (norms and scales stay f32; default bf16)")
+    cv.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     return ap
 
 
@@ -137,10 +144,27 @@ def _cmd_inspect(args) -> int:
     print(f"tensors: {len(reader.tensors)}")
     for ty, n in counts.most_common():
         print(f"  {ty:6s} {n:4d} tensors  {nbytes[ty] / 1e6:8.1f} MB")
+    if arch == "gemma4-assistant":
+        names = {t.name for t in reader.tensors}
+        has = "masked_embd_centroids.weight" in names and "masked_embd_ordering" in names
+        back = reader.fields.get("gemma4-assistant.embedding_length_out")
+        print(f"assistant for a target of width {back.contents() if back else '?'}; clustered head: "
+              f"{'yes (centroids + token ordering)' if has else 'no (full tied head)'}")
     tok = reader.fields.get("tokenizer.ggml.tokens")
     print(f"tokenizer: {reader.fields['tokenizer.ggml.model'].contents() if 'tokenizer.ggml.model' in reader.fields else '?'}, "
           f"{len(tok.data) if tok is not None else 0} tokens, chat template: "
           f"{'yes' if 'tokenizer.chat_template' in reader.fields else 'no (built-in Gemma template used)'}")
+    return 0
+
+
+def _cmd_convert(args) -> int:
+    from .loading.gemma4_gguf import convert
+
+    t0 = time.perf_counter()
+    info = convert(args.hf_dir, args.out, args.outtype, force=args.force)
+    types = ", ".join(f"{n} {k}" for k, n in sorted(info["types"].items()))
+    print(f"wrote {args.out}: arch {info['arch']}, {info['tensors']} tensors ({types}), "
+          f"{info['bytes'] / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
 
 
@@ -149,6 +173,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "generate":
             return _cmd_generate(args)
+        if args.command == "convert":
+            return _cmd_convert(args)
         return _cmd_inspect(args)
     except GemmaspecError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -42,6 +42,14 @@ def load_model(path: str | os.PathLike | None, device: torch.device):
     if p.is_dir():
         return _load_hf_target(p, device)
     loaded = load_gguf(p)
+    if loaded.model is not None:  # Gemma 4 GGUF
+        from .models.gemma4 import Gemma4Model
+
+        if not isinstance(loaded.model, Gemma4Model):
+            raise InputError(f"{p} is a Gemma 4 assistant (drafter), not a model to generate with; "
+                             "pass it as -md with --spec-type draft-mtp")
+        model = loaded.model.to(device) if device.type != "cpu" else loaded.model
+        return model, loaded
     weights = loaded.weights
     if device.type != "cpu":
         weights = {k: (v.to(device) if isinstance(v, (QuantizedWeight, torch.Tensor)) else v) for k, v in weights.items()}
@@ -85,6 +93,25 @@ def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", th
 SPEC_TYPES = ("none", "ngram-simple", "draft-simple", "draft-mtp")
 
 
+def load_assistant(path):
+    """A Gemma 4 assistant from a checkpoint directory or a ``gemma4-assistant`` GGUF.
+
+    Raises:
+        GemmaspecError: unreadable, or not an assistant.
+    """
+    from .loading.safetensors import load_gemma4_assistant_dir
+    from .models.gemma4_assistant import Gemma4Assistant
+
+    p = Path(path)
+    if p.is_dir():
+        return load_gemma4_assistant_dir(p)
+    loaded = load_gguf(p, use_cache=False)
+    if not isinstance(loaded.model, Gemma4Assistant):
+        raise InputError(f"{p} is not a Gemma 4 assistant (architecture {loaded.config.architecture}); "
+                         "-md for --spec-type draft-mtp takes the assistant released with the target")
+    return loaded.model
+
+
 def load_drafter(spec_type: str, engine: Engine, draft_model: str | None = None, p_min: float = 0.0,
                  ngram_max: int = 4, ngram_min: int = 1):
     """The drafter for ``--spec-type``.
@@ -109,8 +136,8 @@ def load_drafter(spec_type: str, engine: Engine, draft_model: str | None = None,
         from .speculative.drafters import MTPDrafter, check_mtp_pair
 
         if not draft_model:
-            raise InputError("--spec-type draft-mtp needs the target's assistant: -md ASSISTANT_DIR")
-        assistant = load_gemma4_assistant_dir(draft_model)
+            raise InputError("--spec-type draft-mtp needs the target's assistant: -md ASSISTANT (directory or .gguf)")
+        assistant = load_assistant(draft_model)
         check_mtp_pair(engine.model, assistant)
         return MTPDrafter(assistant, engine.model, engine.cache)
     if not draft_model:

@@ -28,7 +28,7 @@ from ..paths import cache_home
 from ..tokenizer import GemmaTokenizer
 from .ggml_blocks import DENSE, SUPPORTED_QUANT, to_int8_blocks
 
-SUPPORTED_ARCHITECTURES = ("gemma3",)
+SUPPORTED_ARCHITECTURES = ("gemma3", "gemma4", "gemma4-assistant")
 SUPPORTED_TYPES = tuple(t.name for t in DENSE + SUPPORTED_QUANT)
 FORMAT_VERSION = 1
 GGUF_MAGIC = b"GGUF"
@@ -41,8 +41,9 @@ class LoadedModel:
     path: Path
     config: Gemma3Config
     weights: dict
-    tokenizer: GemmaTokenizer
+    tokenizer: GemmaTokenizer | None
     tensor_types: dict  # name -> GGML type name, as stored in the file
+    model: object = None  # a built model (Gemma 4 paths build it while loading)
 
 
 def check_file(path: Path) -> None:
@@ -101,14 +102,19 @@ def architecture_of(reader) -> str:
     return arch
 
 
-def config_from_reader(reader, path: Path) -> Gemma3Config:
-    """A :class:`Gemma3Config` from the file's metadata (and Gemma 3 defaults for keys it omits).
+def config_from_reader(reader, path: Path):
+    """The typed config from the file's metadata: :class:`Gemma3Config` (with Gemma 3 defaults for
+    keys it omits) or, for ``gemma4`` / ``gemma4-assistant``, :class:`Gemma4Config`.
 
     Raises:
         UnsupportedArchitectureError: the file is not a Gemma 3 text model.
         ModelFileError: a required key is missing.
     """
     arch = architecture_of(reader)
+    if arch in ("gemma4", "gemma4-assistant"):
+        from .gemma4_gguf import config_from_gguf
+
+        return config_from_gguf(reader, path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{path}: architecture '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -245,6 +251,14 @@ def load_gguf(path: str | os.PathLike, use_cache: bool = True) -> LoadedModel:
         if loaded is not None:
             return loaded
     reader = open_reader(path)
+    arch = architecture_of(reader)
+    if arch in ("gemma4", "gemma4-assistant"):
+        from .gemma4_gguf import load_gemma4_gguf
+
+        config, model = load_gemma4_gguf(path, reader)
+        tok = GemmaTokenizer.from_gguf(path, reader) if arch == "gemma4" else None
+        types = {t.name: T(t.tensor_type).name for t in reader.tensors}
+        return LoadedModel(path, config, getattr(model, "w", {}), tok, types, model)
     config = config_from_reader(reader, path)
     weights, types = {}, {}
     for t in reader.tensors:
