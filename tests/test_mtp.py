@@ -158,3 +158,25 @@ def test_truncated_assistant_is_a_clear_error(pair, tmp_path):
 
     with pytest.raises(UnsupportedArchitectureError, match="not a Gemma 4 assistant"):
         load_gemma4_assistant_dir(tmp_path / "a")
+
+
+def test_qat_mismatch_warning(pair):
+    from gemmaspec.quant.qat import looks_qat
+    from gemmaspec.speculative.drafters import qat_mismatch_warning
+
+    _, _, _, ours_t, ours_a, _ = pair
+    assert not looks_qat(ours_t.w["layers.0.self_attn.q_proj.weight"])
+    assert qat_mismatch_warning(ours_t, ours_a) is None
+    # snap the assistant's weights to a 4-bit grid per 32-value block, as QAT checkpoints are
+    w = ours_a.w["model.layers.0.self_attn.q_proj.weight"]
+    blocks = w.reshape(-1, 32)
+    step = blocks.abs().amax(1, keepdim=True) / 8
+    snapped = (torch.clamp(torch.round(blocks / step), -8, 7) * step).reshape(w.shape)
+    qat = dict(ours_a.w)
+    qat["model.layers.0.self_attn.q_proj.weight"] = snapped
+    from gemmaspec.models.gemma4_assistant import Gemma4Assistant
+
+    qat_asst = Gemma4Assistant(ours_a.config, ours_a.backbone_hidden_size, qat)
+    assert looks_qat(snapped)
+    msg = qat_mismatch_warning(ours_t, qat_asst)
+    assert msg and "non-QAT" in msg and "QAT (4-bit grid)" in msg

@@ -138,7 +138,11 @@ def load_drafter(spec_type: str, engine: Engine, draft_model: str | None = None,
         if not draft_model:
             raise InputError("--spec-type draft-mtp needs the target's assistant: -md ASSISTANT (directory or .gguf)")
         assistant = load_assistant(draft_model)
-        check_mtp_pair(engine.model, assistant)
+        warning = check_mtp_pair(engine.model, assistant)
+        if warning:
+            import sys
+
+            print(warning, file=sys.stderr)
         return MTPDrafter(assistant, engine.model, engine.cache)
     if not draft_model:
         raise InputError("--spec-type draft-simple needs a draft model: -md DRAFT.gguf")

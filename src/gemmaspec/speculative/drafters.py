@@ -299,3 +299,18 @@ def check_mtp_pair(target, assistant) -> None:
     if problems:
         raise InputError("this assistant does not belong to this target: " + "; ".join(problems)
                          + ". Use the assistant released with the target")
+    return qat_mismatch_warning(target, assistant)
+
+
+def qat_mismatch_warning(target, assistant) -> str | None:
+    """A warning when one of the pair is QAT (4-bit grid weights) and the other is not: Google's model
+    card pairs QAT targets with QAT assistants only. None when they match."""
+    from ..quant.qat import looks_qat
+
+    t = looks_qat(target.w["layers.0.self_attn.q_proj.weight"])
+    a = looks_qat(assistant.w["model.layers.0.self_attn.q_proj.weight"])
+    if t == a:
+        return None
+    kind = lambda q: "QAT (4-bit grid)" if q else "non-QAT"  # noqa: E731
+    return (f"warning: the target's weights are {kind(t)} but the assistant's are {kind(a)}; Google pairs QAT "
+            "targets with QAT assistants (*-qat-q4_0-unquantized-assistant) and acceptance may drop")
