@@ -85,7 +85,7 @@ def ours(path: Path, n: int):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=16)
-    ap.add_argument("--llama-cli", default=None, help="llama-cli binary for the draft-mtp check")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary for the draft-mtp check")
     a = ap.parse_args()
     py = llama_python()
     tok = load_gguf(default_model_path()).tokenizer
@@ -115,14 +115,79 @@ def main():
                 data.append({"config": name, "outtype": outtype, "prompt_ids_equal": ll["prompt_ids"] == ids,
                              "logits_rel_l2": rel, "argmax_agreement": agree})
                 print(rows[-1], file=sys.stderr)
-    table = "\n".join([f"Machine: {machine()['cpu']}; llama.cpp = llama-cpp-python 0.3.36 (vendored llama.cpp); "
-                       f"greedy, {a.n} tokens", "",
-                       "| tiny Gemma 4 config | GGUF type | loads in llama.cpp | same prompt ids | logits rel. L2 "
-                       "(llama.cpp vs gemmaspec, teacher-forced) | same argmax |",
-                       "|---|---|---|---|---:|---:|"] + rows + ["",
-                       "q8_0: llama.cpp multiplies Q8_0 weights with activations it quantizes to 8 bits, gemmaspec with "
-                       "float32 activations, hence the larger difference there."])
+        table = "\n".join([f"Machine: {machine()['cpu']}; llama.cpp = llama-cpp-python 0.3.36 (vendored llama.cpp); "
+                           f"greedy, {a.n} tokens", "",
+                           "| tiny Gemma 4 config | GGUF type | loads in llama.cpp | same prompt ids | logits rel. L2 "
+                           "(llama.cpp vs gemmaspec, teacher-forced) | same argmax |",
+                           "|---|---|---|---|---:|---:|"] + rows + ["",
+                           "q8_0: llama.cpp multiplies Q8_0 weights with activations it quantizes to 8 bits, gemmaspec with "
+                           "float32 activations, hence the larger difference there."])
+        if a.llama_server:
+            mtp = draft_mtp_check(Path(tmp), tok, a.llama_server, a.n)
+            data.append(mtp)
+            table += ("\n\ndraft-mtp (llama-server, `--spec-type draft-mtp --spec-draft-n-max 2`, f32 GGUFs of a tiny "
+                      f"E2B-like target and assistant): greedy tokens {'the same as' if mtp['same_tokens'] else 'DIFFERENT from'}"
+                      f" gemmaspec's; llama.cpp drafted {mtp['llama.cpp']['draft_n']} and accepted "
+                      f"{mtp['llama.cpp']['draft_n_accepted']}, gemmaspec drafted {mtp['gemmaspec']['draft_n']} and "
+                      f"accepted {mtp['gemmaspec']['draft_n_accepted']}.")
     write_results("llamacpp_compat", {"machine": machine(), "runs": data}, table)
+
+
+def draft_mtp_check(tmp: Path, tok, server: str, n: int) -> dict:
+    """Serve a converted target + assistant with llama-server (draft-mtp) and compare with gemmaspec."""
+    import socket
+    import time
+    import urllib.request
+
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    from gemmaspec.engine import RequestStats
+    from gemmaspec.loader import load_drafter
+
+    hf = build(tmp / "mtp-target", tok, dict(hidden_size_per_layer_input=8, num_kv_shared_layers=2), 7)
+    v = tok.vocab_size
+    tc = Gemma4TextConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=32, global_head_dim=64, sliding_window=32,
+                          layer_types=LAYERS[:3] + ["full_attention"], hidden_size_per_layer_input=0,
+                          vocab_size_per_layer_input=0, max_position_embeddings=2048)
+    asst = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=tc, backbone_hidden_size=64))
+    _random(asst, 8)
+    asst.save_pretrained(tmp / "mtp-assistant")
+    tok.backend.save(str(tmp / "mtp-assistant" / "tokenizer.json"))
+    t_gguf, a_gguf = tmp / "t.gguf", tmp / "a.gguf"
+    convert(hf, t_gguf, "f32")
+    convert(tmp / "mtp-assistant", a_gguf, "f32")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([server, "-m", str(t_gguf), "-md", str(a_gguf), "--spec-type", "draft-mtp",
+                             "--spec-draft-n-max", "2", "--host", "127.0.0.1", "--port", str(port), "-c", "512",
+                             "-t", "2", "-ctk", "f32", "-ctv", "f32"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(120):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        body = json.dumps({"prompt": PROMPT, "n_predict": n, "temperature": 0, "ignore_eos": True,
+                           "return_tokens": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            got = json.loads(r.read())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    e = load_engine(t_gguf, ctx_size=512, device="cpu")
+    ids = e.tokenizer.encode(PROMPT, add_bos=True)
+    st = RequestStats()
+    mine = [t for ev in e.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                                   load_drafter("draft-mtp", e, str(a_gguf)), 2, st) for t in ev.tokens]
+    return {"check": "draft-mtp", "same_tokens": got.get("tokens") == mine,
+            "llama.cpp": {"tokens": got.get("tokens"), "draft_n": got["timings"].get("draft_n"),
+                          "draft_n_accepted": got["timings"].get("draft_n_accepted")},
+            "gemmaspec": {"tokens": mine, "draft_n": st.spec.drafted, "draft_n_accepted": st.spec.accepted}}
 
 
 if __name__ == "__main__":
