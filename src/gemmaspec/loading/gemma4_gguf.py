@@ -372,7 +372,9 @@ def load_gemma4_gguf(path: Path, reader):
             reverse[gguf_name(n, c.num_layers)] = n
         except ValueError:
             pass
-    embed_like = {"token_embd.weight", "per_layer_token_embd.weight", "output.weight"}
+    # the target looks embedding rows up densely; the assistant's tied head stays quantized (it is
+    # most of the drafter's memory) and is read through QuantizedWeight.rows / its matmul
+    embed_like = {"per_layer_token_embd.weight"} | ({"token_embd.weight", "output.weight"} if arch == ARCH_TARGET else set())
     weights = {}
     for t in reader.tensors:
         name = reverse.get(t.name)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Gemma4Config
+from ..kernels import QuantizedWeight
 from .base import apply_rope, attention, linear, rms_norm, rope_cos_sin
 
 
@@ -78,7 +79,8 @@ class Gemma4Assistant:
         cent = linear(self.w["masked_embedding.centroids.weight"], hidden[None])[0]
         top = torch.topk(cent, top_k).indices
         ids = self.w["masked_embedding.token_ordering"].long().view(n_c, per)[top].reshape(-1)
-        scores = self.head[ids] @ hidden
+        rows = self.head.rows(ids) if isinstance(self.head, QuantizedWeight) else self.head[ids]
+        scores = rows @ hidden
         out = torch.full((v,), float(scores.min()) - 1.0, dtype=hidden.dtype)
         out[ids] = scores
         return out
