@@ -180,3 +180,51 @@ def test_qat_mismatch_warning(pair):
     assert looks_qat(snapped)
     msg = qat_mismatch_warning(ours_t, qat_asst)
     assert msg and "non-QAT" in msg and "QAT (4-bit grid)" in msg
+
+
+def test_unified_assistant_loads_and_drafts_like_reference(pair, tmp_path):
+    """Gemma4UnifiedAssistantForCausalLM (the 12B family's assistant class) is the same drafter."""
+    from transformers import Gemma4UnifiedAssistantConfig, Gemma4UnifiedAssistantForCausalLM
+    from transformers.models.gemma4_unified.configuration_gemma4_unified import Gemma4UnifiedTextConfig
+
+    ref_t, _, _, ours_t, _, _ = pair
+    text = {k: v for k, v in ASSISTANT_TEXT.items() if k not in ("hidden_size_per_layer_input", "vocab_size_per_layer_input")}
+    cfg = Gemma4UnifiedAssistantConfig(text_config=Gemma4UnifiedTextConfig(**text), backbone_hidden_size=64)
+    ref_a = Gemma4UnifiedAssistantForCausalLM(cfg).eval()
+    _randomize(ref_a, 4)
+    ref_a.save_pretrained(tmp_path / "u")
+    ours_a = load_gemma4_assistant_dir(tmp_path / "u")
+    ids = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    cache = ours_t.new_cache(64)
+    out = ours_t.forward(torch.tensor(ids), cache)
+    pending = int(out.logits[0].argmax())
+    _, want = _ref_drafts(ref_t, ref_a, ids, 3)
+    assert MTPDrafter(ours_a, ours_t, cache).propose(DraftContext(ids + [pending], out.hidden[-1]), 3).tokens == want
+
+
+@pytest.mark.parametrize("kind", ["e2b_like", "k_eq_v", "moe"])
+def test_assistant_on_every_target_family(kind, tmp_path):
+    """Drafts equal the reference's and greedy draft-mtp output equals plain output, for targets with
+    per-layer embeddings and KV sharing, with K as V on full layers, and with experts."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    from test_gemma4 import _tiny
+
+    ref_t, path = _tiny(kind, tmp_path)
+    _, ours_t = load_gemma4_dir(path)
+    asst = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=Gemma4TextConfig(**ASSISTANT_TEXT),
+                                                            backbone_hidden_size=64)).eval()
+    _randomize(asst, 11)
+    asst.save_pretrained(tmp_path / "a")
+    ours_a = load_gemma4_assistant_dir(tmp_path / "a")
+    ids = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(12)).tolist()
+    cache = ours_t.new_cache(128)
+    out = ours_t.forward(torch.tensor(ids), cache)
+    pending = int(out.logits[0].argmax())
+    _, want = _ref_drafts(ref_t, asst, ids, 4)
+    assert MTPDrafter(ours_a, ours_t, cache).propose(DraftContext(ids + [pending], out.hidden[-1]), 4).tokens == want
+    engine = Engine(ours_t, _tokenizer(), ctx_size=128)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = [t for ev in engine.generate(ids, params) for t in ev.tokens]
+    spec = [t for ev in engine.generate(ids, params, MTPDrafter(ours_a, ours_t, engine.cache), 3) for t in ev.tokens]
+    assert spec == plain

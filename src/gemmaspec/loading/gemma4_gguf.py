@@ -207,16 +207,16 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, outtype: str = "b
         raise InputError(f"{out} exists; pass --force to overwrite it")
     cfg = read_config(hf_dir)
     mtype = cfg.get("model_type")
-    if mtype in ("gemma4", "gemma4_text"):
+    if mtype in ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"):
         arch, text_cfg = ARCH_TARGET, cfg
         tensors = load_tensors(hf_dir)
-    elif mtype == "gemma4_assistant":
+    elif mtype in ("gemma4_assistant", "gemma4_unified_assistant"):
         arch, text_cfg = ARCH_ASSISTANT, cfg.get("text_config") or {}
         tensors = {k[len("model."):] if k.startswith("model.") else k: v
                    for k, v in load_tensors(hf_dir, strip_prefix=False).items()}
     else:
         raise UnsupportedArchitectureError(
-            f"{hf_dir}: model_type '{mtype}' cannot be converted; supported: gemma4, gemma4_text, gemma4_assistant")
+            f"{hf_dir}: model_type '{mtype}' cannot be converted; supported: gemma4(_unified), gemma4(_unified)_text, gemma4(_unified)_assistant")
     try:
         c = Gemma4Config.from_hf(text_cfg)
     except ValueError as exc:

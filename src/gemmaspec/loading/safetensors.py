@@ -16,7 +16,8 @@ import torch
 from ..config import Gemma4Config
 from ..errors import ModelFileError, UnsupportedArchitectureError
 
-SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text")
+SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
+ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _SKIP = ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector")
 
@@ -131,9 +132,9 @@ def load_gemma4_assistant_dir(path: str | Path):
 
     path = Path(path)
     cfg = read_config(path)
-    if cfg.get("model_type") != "gemma4_assistant":
+    if cfg.get("model_type") not in ASSISTANT_MODEL_TYPES:
         raise UnsupportedArchitectureError(
-            f"{path}: model_type '{cfg.get('model_type')}' is not a Gemma 4 assistant (gemma4_assistant); "
+            f"{path}: model_type '{cfg.get('model_type')}' is not a Gemma 4 assistant ({', '.join(ASSISTANT_MODEL_TYPES)}); "
             "-md for --spec-type draft-mtp takes the assistant checkpoint that ships with the target")
     try:
         text = Gemma4Config.from_hf(cfg.get("text_config") or {})
