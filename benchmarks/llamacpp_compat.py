@@ -25,7 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import llama_python, machine, write_results
+from common import ROOT, llama_python, machine, write_results
+
+sys.path.insert(0, str(ROOT / "tests"))
+from tiny_gemma4 import randomize as _random  # noqa: E402
 
 from gemmaspec.loader import load_engine
 from gemmaspec.loading.default_model import default_model_path
@@ -44,16 +47,6 @@ CONFIGS = {
     "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
 }
 PROMPT = "The quick brown fox jumps over the lazy dog. Then"
-
-
-def _random(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("scale"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.7 / p.shape[-1] ** 0.5))
 
 
 def build(root: Path, tok, extra: dict, seed: int) -> Path:

@@ -7,20 +7,11 @@ import pytest
 import torch
 
 from conftest import run_cli
+from tiny_gemma4 import randomize as _randomize
 
 pytestmark = pytest.mark.reference
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-
-
-def _randomize(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("scale"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.7 / p.shape[-1] ** 0.5))
 
 
 @pytest.fixture(scope="module")

@@ -135,21 +135,13 @@ def test_real_tokenizer_survives_the_round_trip(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("clustered", [False, True])
 def test_assistant_gguf_drafts_like_the_checkpoint(clustered, tmp_path, tok):
-    from test_mtp import ASSISTANT_TEXT, TARGET, VOCAB, _randomize
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+    from tiny_gemma4 import TARGET, randomize, tiny_assistant
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     from gemmaspec.loading.safetensors import load_gemma4_dir
 
-    target = Gemma4ForCausalLM(Gemma4TextConfig(**TARGET)).eval()
-    _randomize(target, 1)
-    target.save_pretrained(tmp_path / "t")
-    cfg = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**ASSISTANT_TEXT), backbone_hidden_size=64,
-                                use_ordered_embeddings=clustered, num_centroids=10, centroid_intermediate_top_k=3)
-    asst = Gemma4AssistantForCausalLM(cfg).eval()
-    _randomize(asst, 2)
-    if clustered:
-        asst.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3)))
-    asst.save_pretrained(tmp_path / "a")
+    randomize(Gemma4ForCausalLM(Gemma4TextConfig(**TARGET)).eval(), 1).save_pretrained(tmp_path / "t")
+    tiny_assistant(clustered).save_pretrained(tmp_path / "a")
     _with_tokenizer(tmp_path / "a", tok)
     convert(tmp_path / "a", tmp_path / "a.gguf", "f32")
     info = run_cli("inspect", str(tmp_path / "a.gguf"))

@@ -13,34 +13,13 @@ from gemmaspec.speculative.drafters import DraftContext, MTPDrafter, check_mtp_p
 
 pytestmark = pytest.mark.reference
 
-VOCAB, WINDOW = 300, 16
-LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
-               "sliding_attention", "full_attention"]
-TARGET = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=WINDOW,
-              layer_types=LAYER_TYPES, max_position_embeddings=512, final_logit_softcapping=30.0,
-              hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2)
-ASSISTANT_TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-                      sliding_window=WINDOW, max_position_embeddings=512, hidden_size_per_layer_input=0,
-                      vocab_size_per_layer_input=0,
-                      layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
-
-
-def _randomize(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("scale"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.7 / p.shape[-1] ** 0.5))
+from tiny_gemma4 import ASSISTANT_TEXT, TARGET, VOCAB, WINDOW, randomize as _randomize, tiny_assistant
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(ref target, ref assistant, ref clustered assistant, our target, our assistant, our clustered)."""
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     root = tmp_path_factory.mktemp("mtp")
     target = Gemma4ForCausalLM(Gemma4TextConfig(**TARGET)).eval()
@@ -48,13 +27,7 @@ def pair(tmp_path_factory):
     target.save_pretrained(root / "target")
     out = [target]
     for clustered in (False, True):
-        cfg = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**ASSISTANT_TEXT), backbone_hidden_size=64,
-                                    use_ordered_embeddings=clustered, num_centroids=10, centroid_intermediate_top_k=3)
-        asst = Gemma4AssistantForCausalLM(cfg).eval()
-        _randomize(asst, 2)
-        if clustered:
-            asst.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3)))
-        asst.generation_config.num_assistant_tokens = 3
+        asst = tiny_assistant(clustered)
         d = root / f"assistant_{clustered}"
         asst.save_pretrained(d)
         out.append(asst)
@@ -206,15 +179,11 @@ def test_unified_assistant_loads_and_drafts_like_reference(pair, tmp_path):
 def test_assistant_on_every_target_family(kind, tmp_path):
     """Drafts equal the reference's and greedy draft-mtp output equals plain output, for targets with
     per-layer embeddings and KV sharing, with K as V on full layers, and with experts."""
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
-
     from test_gemma4 import _tiny
 
     ref_t, path = _tiny(kind, tmp_path)
     _, ours_t = load_gemma4_dir(path)
-    asst = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=Gemma4TextConfig(**ASSISTANT_TEXT),
-                                                            backbone_hidden_size=64)).eval()
-    _randomize(asst, 11)
+    asst = tiny_assistant(seed=11)
     asst.save_pretrained(tmp_path / "a")
     ours_a = load_gemma4_assistant_dir(tmp_path / "a")
     ids = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(12)).tolist()

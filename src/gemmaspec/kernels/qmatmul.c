@@ -41,6 +41,17 @@ static void offsets_term(const float *o, int nb, const float *xsum, int M, float
 }
 
 #ifdef __AVX512F__
+/* Prefetch the weight and scale streams of nr rows ahead of block b (every 64 bytes of q). */
+static inline __attribute__((always_inline)) void prefetch_rows(const int8_t *const qr[], const float *const sr[],
+                                                                int nr, int b, int G) {
+    const int k = b * G, per_line = 64 / G; /* blocks per cache line of q */
+    if (b % per_line) return;
+    for (int r = 0; r < nr; r++) {
+        _mm_prefetch((const char *)(qr[r] + k + PF_BYTES), _MM_HINT_T0);
+        if ((b & 15) == 0) _mm_prefetch((const char *)(sr[r] + b + PF_BYTES * 4 / G), _MM_HINT_T0);
+    }
+}
+
 static inline __m512 load16(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
@@ -58,11 +69,7 @@ static inline __attribute__((always_inline)) void tile_dot(const int8_t *const q
     if (G == 32) {
         for (int b = 0; b < nb; b++) {
             const int k = b * 32;
-            if ((b & 1) == 0)
-                for (int r = 0; r < NR; r++) {
-                    _mm_prefetch((const char *)(qr[r] + k + PF_BYTES), _MM_HINT_T0);
-                    if ((b & 15) == 0) _mm_prefetch((const char *)(sr[r] + b + PF_BYTES / 8), _MM_HINT_T0);
-                }
+            prefetch_rows(qr, sr, NR, b, 32);
             __m512 x0[MB], x1[MB];
             for (int m = 0; m < M; m++) {
                 x0[m] = _mm512_loadu_ps(x + m * ldx + k);
@@ -81,11 +88,7 @@ static inline __attribute__((always_inline)) void tile_dot(const int8_t *const q
     } else { /* G == 16 */
         for (int b = 0; b < nb; b++) {
             const int k = b * 16;
-            if ((b & 3) == 0)
-                for (int r = 0; r < NR; r++) {
-                    _mm_prefetch((const char *)(qr[r] + k + PF_BYTES), _MM_HINT_T0);
-                    if ((b & 15) == 0) _mm_prefetch((const char *)(sr[r] + b + PF_BYTES / 4), _MM_HINT_T0);
-                }
+            prefetch_rows(qr, sr, NR, b, 16);
             __m512 x0[MB];
             for (int m = 0; m < M; m++) x0[m] = _mm512_loadu_ps(x + m * ldx + k);
             for (int r = 0; r < NR; r++) {
@@ -111,11 +114,7 @@ static inline __attribute__((always_inline)) void tile_dot_wide(const int8_t *co
     if (G == 32) {
         for (int b = 0; b < nb; b++) {
             const int k = b * 32;
-            if ((b & 1) == 0)
-                for (int r = 0; r < 2; r++) {
-                    _mm_prefetch((const char *)(qr[r] + k + PF_BYTES), _MM_HINT_T0);
-                    if ((b & 15) == 0) _mm_prefetch((const char *)(sr[r] + b + PF_BYTES / 8), _MM_HINT_T0);
-                }
+            prefetch_rows(qr, sr, 2, b, 32);
             for (int r = 0; r < 2; r++) {
                 const __m512 w0 = load16(qr[r] + k), w1 = load16(qr[r] + k + 16);
                 const __m512 sc = _mm512_set1_ps(sr[r][b]);
@@ -129,11 +128,7 @@ static inline __attribute__((always_inline)) void tile_dot_wide(const int8_t *co
     } else {
         for (int b = 0; b < nb; b++) {
             const int k = b * 16;
-            if ((b & 3) == 0)
-                for (int r = 0; r < 2; r++) {
-                    _mm_prefetch((const char *)(qr[r] + k + PF_BYTES), _MM_HINT_T0);
-                    if ((b & 15) == 0) _mm_prefetch((const char *)(sr[r] + b + PF_BYTES / 4), _MM_HINT_T0);
-                }
+            prefetch_rows(qr, sr, 2, b, 16);
             for (int r = 0; r < 2; r++) {
                 const __m512 w = _mm512_mul_ps(load16(qr[r] + k), _mm512_set1_ps(sr[r][b]));
                 for (int m = 0; m < M; m++)

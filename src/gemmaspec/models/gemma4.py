@@ -33,6 +33,22 @@ from ..kv_cache import KVCache
 from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin
 
 
+def rope_tables(c: Gemma4Config, pos: torch.Tensor) -> dict:
+    """cos/sin per layer type for positions int64 [T]: sliding layers rotate the whole head (base
+    ``rope_theta_local``); full layers use proportional RoPE over ``global_head_dim``."""
+    return {
+        "sliding": rope_cos_sin(pos, c.head_dim, c.rope_theta_local),
+        "full": rope_cos_sin(pos, c.global_head_dim, c.rope_theta_global,
+                             rotary_dim=2 * int(c.partial_rotary_factor * c.global_head_dim // 2)),
+    }
+
+
+def gated_mlp(w: dict, prefix: str, h: torch.Tensor) -> torch.Tensor:
+    """down(gelu_tanh(gate(h)) * up(h)) with the weights under ``prefix`` (``...mlp.gate_proj.weight``)."""
+    gate = F.gelu(linear(w[prefix + "mlp.gate_proj.weight"], h), approximate="tanh")
+    return linear(w[prefix + "mlp.down_proj.weight"], gate * linear(w[prefix + "mlp.up_proj.weight"], h))
+
+
 class Gemma4Model:
     """Gemma 4 decoder over one sequence (the :class:`~gemmaspec.models.base.CausalLM` contract).
 
@@ -138,11 +154,7 @@ class Gemma4Model:
         if start + t > cache.capacity:
             raise ValueError(f"{start + t} positions exceed the context size {cache.capacity}")
         pos = torch.arange(start, start + t, device=self.device)
-        rope = {
-            "sliding": rope_cos_sin(pos, c.head_dim, c.rope_theta_local),
-            "full": rope_cos_sin(pos, c.global_head_dim, c.rope_theta_global,
-                                 rotary_dim=2 * int(c.partial_rotary_factor * c.global_head_dim // 2)),
-        }
+        rope = rope_tables(c, pos)
         plans = {"sliding": cache.plan(start, t, c.sliding_window), "full": cache.plan(start, t, None)}
         x = w["embed_tokens.weight"][tokens] * self.embed_scale
         ple = self._per_layer_inputs(tokens, x) if c.hidden_size_per_layer_input else None
@@ -174,9 +186,7 @@ class Gemma4Model:
             x = x + rms_norm(a, w[p + "post_attention_layernorm.weight"], eps)
             residual = x
             h = rms_norm(x, w[p + "pre_feedforward_layernorm.weight"], eps)
-            f = linear(w[p + "mlp.down_proj.weight"],
-                       F.gelu(linear(w[p + "mlp.gate_proj.weight"], h), approximate="tanh")
-                       * linear(w[p + "mlp.up_proj.weight"], h))
+            f = gated_mlp(w, p, h)
             if c.enable_moe_block:
                 f = (rms_norm(f, w[p + "post_feedforward_layernorm_1.weight"], eps)
                      + rms_norm(self._moe(i, residual), w[p + "post_feedforward_layernorm_2.weight"], eps))

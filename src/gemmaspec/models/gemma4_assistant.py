@@ -23,11 +23,11 @@ Clustered head (``use_ordered_embeddings``): score ``num_centroids`` centroids, 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..config import Gemma4Config
 from ..kernels import QuantizedWeight
-from .base import apply_rope, attention, linear, rms_norm, rope_cos_sin
+from .base import apply_rope, attention, linear, rms_norm
+from .gemma4 import gated_mlp, rope_tables
 
 
 class Gemma4Assistant:
@@ -101,11 +101,7 @@ class Gemma4Assistant:
         c, w, eps = self.config, self.w, self.config.rms_norm_eps
         x = linear(w["pre_projection.weight"], torch.cat([x_embed, h])[None])  # [1, H]
         pos = torch.tensor([position], device=x.device)
-        rope = {
-            "sliding": rope_cos_sin(pos, c.head_dim, c.rope_theta_local),
-            "full": rope_cos_sin(pos, c.global_head_dim, c.rope_theta_global,
-                                 rotary_dim=2 * int(c.partial_rotary_factor * c.global_head_dim // 2)),
-        }
+        rope = rope_tables(c, pos)
         for i in range(c.num_layers):
             p, kind = f"model.layers.{i}.", c.layer_types[i]
             d = c.layer_head_dim(i)
@@ -118,9 +114,7 @@ class Gemma4Assistant:
             a = linear(w[p + "self_attn.o_proj.weight"], a.reshape(1, c.num_heads * d))
             x = x + rms_norm(a, w[p + "post_attention_layernorm.weight"], eps)
             hn = rms_norm(x, w[p + "pre_feedforward_layernorm.weight"], eps)
-            f = linear(w[p + "mlp.down_proj.weight"],
-                       F.gelu(linear(w[p + "mlp.gate_proj.weight"], hn), approximate="tanh")
-                       * linear(w[p + "mlp.up_proj.weight"], hn))
+            f = gated_mlp(w, p, hn)
             x = x + rms_norm(f, w[p + "post_feedforward_layernorm.weight"], eps)
             scalar = w.get(p + "layer_scalar")
             if scalar is not None:

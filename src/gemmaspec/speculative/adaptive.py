@@ -11,7 +11,7 @@ Each round picks the draft length k that maximises expected tokens per second:
 
 Both are learned online within the request. Acceptance per position uses exponentially decayed
 counts shrunk towards the previous position's estimate (drafts that survived position i-1 tend to
-survive position i as well; position 0 starts from 0.7), so a run of easy text raises k and hard text lowers it within a few
+survive position i as well; position 0 starts from 0.85), so a run of easy text raises k and hard text lowers it within a few
 rounds, and a position that stopped being tried drifts back to the prior (keeps exploring). Round
 times are decayed averages per k; an untried k is extrapolated from the tried ones with a prior
 marginal cost of ``prior_slope`` × the cheapest round per extra draft token.
@@ -41,8 +41,8 @@ class AdaptiveDraftLength:
 
     def acceptance(self, i: int) -> float:
         """Estimated acceptance at draft position i given i-1 was accepted: decayed counts shrunk
-        towards position i-1's estimate (position 0: towards 0.7), with a prior weight of 1."""
-        prior = 0.7 if i == 0 else self.acceptance(i - 1)
+        towards position i-1's estimate (position 0: towards 0.85), with a prior weight of 1."""
+        prior = 0.85 if i == 0 else self.acceptance(i - 1)
         return (self.acc[i] + prior) / (self.reached[i] + 1.0)
 
     def expected_tokens(self, k: int) -> float:
