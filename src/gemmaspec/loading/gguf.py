@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,6 +251,10 @@ def load_gguf(path: str | os.PathLike, use_cache: bool = True) -> LoadedModel:
         loaded = _load_prepared(dest, path)
         if loaded is not None:
             return loaded
+    interactive = sys.stderr.isatty()
+    if interactive:
+        print(f"gemmaspec: preparing {path.name} for first use (reading the GGUF, converting weights, building the "
+              "tokenizer); later starts reuse the result", file=sys.stderr)
     reader = open_reader(path)
     arch = architecture_of(reader)
     if arch in ("gemma4", "gemma4-assistant"):
@@ -261,7 +266,9 @@ def load_gguf(path: str | os.PathLike, use_cache: bool = True) -> LoadedModel:
         return LoadedModel(path, config, getattr(model, "w", {}), tok, types, model)
     config = config_from_reader(reader, path)
     weights, types = {}, {}
-    for t in reader.tensors:
+    from tqdm import tqdm
+
+    for t in tqdm(reader.tensors, desc="converting tensors", unit="tensor", disable=not interactive, leave=False):
         types[t.name] = T(t.tensor_type).name
         weights[t.name] = convert_tensor(t)
     _check_tensors(config, weights, path)
