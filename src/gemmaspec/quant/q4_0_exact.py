@@ -1,0 +1,110 @@
+"""Exact Q4_0 packing of weights that already lie on a 4-bit grid (QAT checkpoints).
+
+Q4_0 (ggml ``block_q4_0``): 32 consecutive values along a row (the input dimension, GGUF ne0) share
+an fp16 scale d; each value is d·(q − 8) with q ∈ [0, 15]; byte j of the 16 packed bytes holds q[j]
+in its low nibble and q[j+16] in its high nibble.
+
+A QAT block holds values round_src(s·k), k ∈ [−8, 7]. Rounding to the nearest level with d = amax/8
+(the usual quantizer) is wrong whenever a block's peak sits below level 8 (about 5 % error,
+silently). Here each block's step is recovered instead: for every level k the peak could sit on
+(±1..±8, sign free, as ggml's d may be negative), take s = peak/k, round every value to its level,
+refine s by least squares over the block, round d to fp16, and measure the reconstruction d·k
+(float32) against the source: candidates within ``tolerance_ulp`` of every value beat those that are
+not; among them the most bit-exact values win, then the smaller error, then the finer step.
+A block whose reconstruction misses a value by more than ``tolerance_ulp`` units in the source's last
+place fits no grid and is reported off-grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+QK = 32
+
+
+@dataclass
+class PackResult:
+    """Exact packing of one tensor.
+
+    Attributes:
+        d: float16 [B] block scales; levels: int8 [B, 32] in [-8, 7] (B = blocks in row order).
+        on_grid: bool [B]; exact: int [B] values reproduced bit-exactly per block.
+        max_err_ulp: float [B] worst error per block in units of the source's last place.
+    """
+
+    d: np.ndarray
+    levels: np.ndarray
+    on_grid: np.ndarray
+    exact: np.ndarray
+    max_err_ulp: np.ndarray
+
+    def q4_0_bytes(self) -> np.ndarray:
+        """uint8 [B, 18]: ggml ``block_q4_0`` (fp16 d, then 16 bytes of nibble pairs)."""
+        q = (self.levels.astype(np.int16) + 8).astype(np.uint8)
+        packed = (q[:, :16] & 0x0F) | (q[:, 16:] << 4)
+        return np.concatenate([self.d.astype(np.float16).view(np.uint8).reshape(-1, 2), packed], axis=1)
+
+
+def _ulp(v: np.ndarray, mantissa_bits: int) -> np.ndarray:
+    """Unit in the last place of float32 values in a source format with that many mantissa bits."""
+    a = np.abs(v.astype(np.float64))
+    exp = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    exp = np.maximum(exp, -126)  # float32/bf16 normal range
+    return np.where(a > 0, 2.0 ** (exp - mantissa_bits), 2.0 ** (-126 - mantissa_bits))
+
+
+def pack_exact(w: np.ndarray, mantissa_bits: int = 7, tolerance_ulp: float = 1.0) -> PackResult:
+    """Recover each 32-value block's step and levels.
+
+    Args:
+        w: float32 [N, K] (K a multiple of 32), the source values (bf16/f16/f32 widened to float32).
+        mantissa_bits: the source format's explicit mantissa bits (bf16 7, f16 10, f32 23).
+        tolerance_ulp: a block is on-grid when every value is reproduced within this many ulps.
+
+    Raises:
+        ValueError: K not a multiple of 32, or NaN/Inf in the source.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2 or w.shape[1] % QK:
+        raise ValueError(f"a Q4_0 tensor needs rows of a multiple of 32 values (shape {w.shape})")
+    if not np.isfinite(w).all():
+        bad = np.argwhere(~np.isfinite(w))[0]
+        raise ValueError(f"the source holds NaN or Inf (first at row {bad[0]}, column {bad[1]})")
+    v = w.reshape(-1, QK)
+    v64 = v.astype(np.float64)
+    b = v.shape[0]
+    peak_idx = np.abs(v64).argmax(axis=1)
+    peak = v64[np.arange(b), peak_idx]
+    best_exact = np.full(b, -1, dtype=np.int64)
+    best_err = np.full(b, np.inf)
+    best_d = np.zeros(b, dtype=np.float16)
+    best_l = np.zeros((b, QK), dtype=np.int8)
+    ulp = _ulp(v, mantissa_bits)
+    for k in (8, 7, 6, 5, 4, 3, 2, 1, -1, -2, -3, -4, -5, -6, -7, -8):  # finer steps first: ties keep them
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s = np.where(peak != 0, peak / k, 0.0)
+            levels = np.rint(np.where(s[:, None] != 0, v64 / s[:, None], 0.0))
+        valid = ((levels >= -8) & (levels <= 7)).all(axis=1)
+        levels = np.clip(levels, -8, 7)
+        den = (levels * levels).sum(axis=1)
+        s_ls = np.where(den > 0, (v64 * levels).sum(axis=1) / np.where(den > 0, den, 1.0), 0.0)
+        d_ls = s_ls.astype(np.float16)
+        steps = (s.astype(np.float16), d_ls, np.nextafter(d_ls, np.float16(np.inf)), np.nextafter(d_ls, np.float16(-np.inf)))
+        for d in steps:  # the fitted fp16 step and its two neighbours: the source's rounding can hide the true one
+            recon = d.astype(np.float32)[:, None] * levels.astype(np.float32)
+            exact = (recon == v).sum(axis=1)
+            err = (np.abs(recon.astype(np.float64) - v64) / ulp).max(axis=1)
+            ok, best_ok = err <= tolerance_ulp, best_err <= tolerance_ulp
+            same_class = ok == best_ok
+            better = valid & ((ok & ~best_ok) | (same_class & ((exact > best_exact)
+                                                              | ((exact == best_exact) & (err < best_err)))))
+            best_exact = np.where(better, exact, best_exact)
+            best_err = np.where(better, err, best_err)
+            best_d = np.where(better, d, best_d)
+            best_l = np.where(better[:, None], levels.astype(np.int8), best_l)
+    zero = peak == 0  # all-zero block: d = 0, every level 0, exact
+    best_d[zero], best_l[zero], best_exact[zero], best_err[zero] = 0, 0, QK, 0.0
+    on_grid = (best_exact >= 0) & (best_err <= tolerance_ulp)
+    return PackResult(best_d, best_l, on_grid, np.maximum(best_exact, 0), best_err)
