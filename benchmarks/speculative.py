@@ -1,7 +1,7 @@
 """Speculative decoding speed on the real model: plain vs drafters and draft lengths, by text kind.
 
 One process, engine loaded once; each configuration generates --n greedy tokens (EOS ignored) per
-prompt, --repeats times; medians reported. llama.cpp's plain decode on the same prompt runs in the
+prompt, --repeats times, the configurations taking turns; medians reported. llama.cpp's plain decode on the same prompt runs in the
 same invocation (cold process, llama-cpp-python), unless --no-llama.
 
     python benchmarks/speculative.py [--n 128] [--repeats 3] [-md DRAFT.gguf] [--no-llama]
@@ -59,16 +59,18 @@ def main():
     for kind, prompt in PROMPTS.items():
         ids = engine.tokenizer.encode(prompt)
         results[kind] = {}
-        for name, _, n_max in configs:
-            runs = []
-            for _ in range(a.repeats):
+        runs = {name: [] for name, _, _ in configs}
+        for _ in range(a.repeats):  # round-robin, so drift on a shared machine hits every config alike
+            for name, _, n_max in configs:
                 st = RequestStats()
                 for _ev in engine.generate(ids, params, drafters[name], n_max, st):
                     pass
-                runs.append({"decode_tps": st.decode_tps, **st.spec.to_dict()})
-            results[kind][name] = {"runs": runs, "decode_tps": median([r["decode_tps"] for r in runs]),
-                                   "acceptance_rate": runs[-1]["acceptance_rate"],
-                                   "mean_accepted_length": runs[-1]["mean_accepted_length"]}
+                runs[name].append({"decode_tps": st.decode_tps, **st.spec.to_dict()})
+        for name, _, _ in configs:
+            rs = runs[name]
+            results[kind][name] = {"runs": rs, "decode_tps": median([r["decode_tps"] for r in rs]),
+                                   "acceptance_rate": rs[-1]["acceptance_rate"],
+                                   "mean_accepted_length": rs[-1]["mean_accepted_length"]}
             print(kind, name, f"{results[kind][name]['decode_tps']:.1f} tok/s", file=sys.stderr)
         if llama_py:
             from decode import llama
