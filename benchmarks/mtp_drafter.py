@@ -31,7 +31,6 @@ N_CENTROIDS, TOP_K = 2048, 32
 
 
 def child(fmt: str, clustered: bool, ctx: int) -> dict:
-    import resource  # noqa: F401
     import torch
 
     from gemmaspec.config import Gemma4Config

@@ -79,8 +79,6 @@ def test_incremental_decode_matches_full_forward(kind, tmp_path):
 
 
 def test_greedy_generation_matches_reference(tmp_path):
-    from gemmaspec.sampling import SamplingParams
-
     ref, path = _tiny("e2b_like", tmp_path)
     _, ours = load_gemma4_dir(path)
     ids = _ids(12, seed=2).tolist()

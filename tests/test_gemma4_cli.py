@@ -4,7 +4,6 @@ Gemma 4 target from a Hugging Face directory, with and without the MTP assistant
 import json
 
 import pytest
-import torch
 
 from conftest import run_cli
 from tiny_gemma4 import randomize as _randomize

@@ -132,7 +132,6 @@ def load_drafter(spec_type: str, engine: Engine, draft_model: str | None = None,
     if spec_type == "ngram-simple":
         return NgramDrafter(ngram_max, ngram_min)
     if spec_type == "draft-mtp":
-        from .loading.safetensors import load_gemma4_assistant_dir
         from .speculative.drafters import MTPDrafter, check_mtp_pair
 
         if not draft_model:

@@ -10,9 +10,6 @@ import torch
 from ..kernels import QuantizedWeight
 from ..kv_cache import KVCache
 
-Weight = "QuantizedWeight | torch.Tensor"
-
-
 @dataclass
 class ForwardOutput:
     """What one forward returns.

@@ -23,8 +23,6 @@ Weights are addressed by the transformers names of the text model without the ``
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
