@@ -5,13 +5,18 @@ Each decode round asks the drafter for up to ``n_max`` tokens, runs the target o
 verifies (:mod:`gemmaspec.speculative.verify`), keeps 1..n_max+1 tokens, checks stop conditions token
 by token, and rolls the KV cache back to what was kept. Plain decoding is the drafter that proposes
 nothing (:class:`~gemmaspec.speculative.drafters.NoDrafter`), so both paths share every line.
+
+The round lives in :class:`RequestState` (``prefill`` / ``begin_round`` / ``finish_round``), which
+owns a request's KV cache, drafter state, sampler and stop checks but not the target forward:
+:meth:`Engine.generate` drives one state with one forward per round, and the server's scheduler
+(:mod:`gemmaspec.server.scheduler`) drives several, batching their rounds into shared forwards.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -55,11 +60,23 @@ class RequestStats:
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (natural log, before sampling filters)
+    and the ``top`` most likely ``(id, logprob)`` pairs at its position, most likely first."""
+
+    token: int
+    logprob: float
+    top: list
+
+
+@dataclass
 class Event:
-    """A streamed piece of output: ``text`` (may be empty) and the new token ids behind it."""
+    """A streamed piece of output: ``text`` (may be empty) and the new token ids behind it, with
+    their log-probabilities when the request asked for them."""
 
     text: str
     tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
 
 
 class _StopChecker:
@@ -112,6 +129,188 @@ class _StopChecker:
         return out
 
 
+class RoundInput(NamedTuple):
+    """What the target runs for one round: ``tokens`` int64 [1 + drafts] (the pending token, then the
+    drafts) and whether it must return logits for every position (``all_logits``, when drafts exist)."""
+
+    tokens: torch.Tensor
+    all_logits: bool
+
+
+class RequestState:
+    """One request's generation, as steps a caller drives: :meth:`prefill`, then rounds of
+    :meth:`begin_round` → one target forward over the returned tokens on :attr:`cache` →
+    :meth:`finish_round`, until :attr:`done`. :meth:`Engine.generate` drives one state; the server's
+    scheduler drives several at once, batching their rounds into shared forwards.
+
+    Each event returned carries one generated token (its text may be empty while a stop string or an
+    incomplete UTF-8 character is held back); the last may be a token-less event with the text held
+    back until the end.
+
+    Args:
+        engine: the :class:`Engine` (model, tokenizer, context size).
+        prompt_ids: the prompt's token ids (BOS included when the model wants it).
+        params: sampling parameters (validated here).
+        drafter: who proposes draft tokens (None: plain decoding); reset here.
+        n_max: most draft tokens per round, or ``"auto"`` (adaptive per round).
+        n_min: a proposal shorter than this is not verified.
+        stats: filled in as the request runs.
+        cache: the KV cache to run in (emptied by :meth:`prefill`); None builds a new one.
+        logprobs: None for no log-probabilities; k >= 0 to attach to each token event its
+            log-probability under the model (log-softmax of the logits, before any sampling filter)
+            and the k most likely alternatives.
+
+    Raises:
+        InputError: empty or too long prompt, bad parameters, n_max out of range.
+    """
+
+    def __init__(self, engine: "Engine", prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
+                 n_max: int | str = 0, n_min: int = 0, stats: RequestStats | None = None, cache=None,
+                 logprobs: int | None = None):
+        params.validate()
+        engine.check_prompt(prompt_ids)
+        self.controller = None
+        if n_max == "auto":
+            self.controller = AdaptiveDraftLength(engine.forward_costs(), n_cap=min(8, engine.max_rollback - 1))
+        elif not isinstance(n_max, int) or not 0 <= n_max < engine.max_rollback:
+            raise InputError(f"draft length must be in 0..{engine.max_rollback - 1} or 'auto' (got {n_max})")
+        if cache is not None and cache.capacity < engine.ctx_size:
+            raise ValueError(f"a cache of {cache.capacity} positions cannot hold the context of {engine.ctx_size}")
+        self.engine, self.model, self.ctx_size = engine, engine.model, engine.ctx_size
+        self.params, self.n_max, self.n_min, self.logprobs = params, n_max, n_min, logprobs
+        self.cache = cache if cache is not None else engine.model.new_cache(engine.ctx_size, engine.max_rollback)
+        self.drafter = drafter or NoDrafter()
+        self.drafter.reset()
+        self.stats = st = stats if stats is not None else RequestStats()
+        self.sampler = Sampler(params)
+        st.seed, st.prompt_tokens = self.sampler.seed, len(prompt_ids)
+        self.stop = _StopChecker(engine.tokenizer, params)
+        self.tokens = list(prompt_ids)
+        self.hidden = None
+        self.done = False
+        self._round = None
+        self._t1 = self._t_last = 0.0
+
+    # ------------------------------------------------------------------------------------------
+    def prefill(self) -> list[Event]:
+        """Run the prompt (in chunks of ``PREFILL_CHUNK``) and sample the first token."""
+        t0 = time.perf_counter()
+        self.cache.reset()
+        ids = self.tokens
+        out = self.engine._prefill(ids, self.cache)
+        token = self.sampler.sample(out.logits[0], ids)
+        self.hidden = out.hidden[-1]
+        self._t1 = self._t_last = time.perf_counter()
+        st = self.stats
+        st.prefill_ms = st.ttft_ms = (self._t1 - t0) * 1e3
+        text = self.stop.add(token)
+        if text is None:
+            st.stop_reason = self.stop.reason
+            self.done = True
+            return []
+        self.tokens.append(token)
+        st.generated_tokens = 1
+        events = [Event(text, [token], self._logprobs(out.logits[0], [token]))]
+        self._check_context()
+        if self.stop.reason:
+            self._finish(events)
+        return events
+
+    def begin_round(self) -> RoundInput:
+        """Ask the drafter for this round's drafts; returns what the target must run."""
+        if self.done or self._round is not None:
+            raise RuntimeError("begin_round() on a finished request or with a round in flight")
+        start = self.cache.length  # == len(tokens) - 1: the pending token is not cached yet
+        room = self.ctx_size - start - 1  # positions left after the pending token
+        params = self.params
+        remaining = params.max_tokens - self.stats.generated_tokens if params.max_tokens != -1 else room
+        t_round = time.perf_counter()
+        k = max(0, min(self.controller.choose() if self.controller else self.n_max, room, remaining - 1))
+        draft = self.drafter.propose(DraftContext(self.tokens, self.hidden), k) if k > 0 else None
+        t_drafted = time.perf_counter()
+        drafts = list(draft.tokens[:k]) if draft else []
+        if len(drafts) < max(self.n_min, 1):
+            drafts = []
+        self._round = (start, drafts, draft.dists if draft else None, t_round, t_drafted)
+        return RoundInput(torch.tensor(self.tokens[-1:] + drafts), bool(drafts))
+
+    def finish_round(self, out) -> list[Event]:
+        """Verify the round from the target's :class:`~gemmaspec.models.base.ForwardOutput` (logits
+        float32 [1 + drafts, V] when drafts were run, else [1, V]), keep the accepted tokens, check
+        stops token by token and roll the cache back to what was kept."""
+        if self._round is None:
+            raise RuntimeError("finish_round() without begin_round()")
+        start, drafts, dists, t_round, t_drafted = self._round
+        self._round = None
+        st, stop = self.stats, self.stop
+        verdict = self.engine._verify(out.logits, self.tokens, drafts, dists, self.params, self.sampler)
+        new = drafts[:verdict.n_accepted] + [verdict.next_token]
+        events = []
+        for i, t in enumerate(new):
+            text = stop.add(t)
+            if text is None:
+                break
+            events.append(Event(text, [t], self._logprobs(out.logits[i], [t])))
+            if stop.reason:
+                break
+        kept = len(events)
+        self.cache.rollback(start + kept)
+        self.tokens.extend(new[:kept])
+        st.generated_tokens += kept
+        st.spec.record(len(drafts), min(verdict.n_accepted, kept))
+        self.hidden = out.hidden[min(kept, verdict.n_accepted)] if kept else self.hidden
+        self.drafter.accepted(DraftContext(self.tokens, self.hidden), min(verdict.n_accepted, kept))
+        self._t_last = time.perf_counter()
+        if self.controller:
+            self.controller.update(len(drafts), verdict.n_accepted, t_drafted - t_round, self._t_last - t_round)
+        self._check_context()
+        if stop.reason:
+            self._finish(events)
+        return events
+
+    def cancel(self) -> None:
+        """Stop here (the client went away): no more rounds; stop reason ``cancelled``."""
+        if not self.done:
+            self._round = None
+            self.stats.decode_ms = (self._t_last - self._t1) * 1e3 if self._t1 else 0.0
+            self.stats.stop_reason = "cancelled"
+            self.done = True
+
+    # ------------------------------------------------------------------------------------------
+    def _check_context(self) -> None:
+        if not self.stop.reason and len(self.tokens) >= self.ctx_size:
+            self.stop.reason = "context"
+
+    def _finish(self, events: list[Event]) -> None:
+        tail = self.stop.finish()
+        if tail:
+            events.append(Event(tail, []))
+        self.stats.decode_ms = (self._t_last - self._t1) * 1e3
+        self.stats.stop_reason = self.stop.reason
+        self.done = True
+
+    def _logprobs(self, logits: torch.Tensor, tokens: list[int]):
+        if self.logprobs is None:
+            return None
+        lp = torch.log_softmax(logits.float(), -1)
+        top = []
+        if self.logprobs > 0:
+            vals, ids = torch.topk(lp, self.logprobs)
+            top = list(zip(ids.tolist(), vals.tolist()))
+        return [TokenLogprob(t, float(lp[t]), top) for t in tokens]
+
+
+def _merged(events: list[Event]) -> Iterator[Event]:
+    """A round's token events as one event (the CLI's granularity), then any token-less tail."""
+    toks = [e for e in events if e.tokens]
+    if toks:
+        lps = None if any(e.logprobs is None for e in toks) else [lp for e in toks for lp in e.logprobs]
+        yield Event("".join(e.text for e in toks), [t for e in toks for t in e.tokens], lps)
+    for e in events:
+        if not e.tokens:
+            yield e
+
+
 class Engine:
     """A target model, its tokenizer and a context size; runs requests one at a time.
 
@@ -135,6 +334,7 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def check_prompt(self, ids: list[int]) -> None:
+        """Raises :class:`InputError` for an empty prompt or one that leaves no room in the context."""
         if not ids:
             raise InputError("the prompt is empty: give at least one token of text")
         if len(ids) >= self.ctx_size:
@@ -159,15 +359,19 @@ class Engine:
             self._forward_costs = costs
         return self._forward_costs
 
-    def _prefill(self, ids: list[int]):
+    def _prefill(self, ids: list[int], cache=None):
+        """Run ``ids`` at positions cache.length.. in chunks of ``PREFILL_CHUNK`` (default cache: the
+        engine's); returns the last chunk's :class:`~gemmaspec.models.base.ForwardOutput`."""
+        cache = self.cache if cache is None else cache
         out = None
         for i in range(0, len(ids), PREFILL_CHUNK):
-            out = self.model.forward(torch.tensor(ids[i:i + PREFILL_CHUNK]), self.cache)
+            out = self.model.forward(torch.tensor(ids[i:i + PREFILL_CHUNK]), cache)
         return out
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
                  n_max: int | str = 0, stats: RequestStats | None = None, n_min: int = 0) -> Iterator[Event]:
-        """Generate from ``prompt_ids``, yielding text as it is produced.
+        """Generate from ``prompt_ids`` in this engine's cache, yielding text as it is produced (one
+        event per round, then any text held back to the end).
 
         Args:
             prompt_ids: the prompt's token ids (BOS included when the model wants it).
@@ -181,83 +385,12 @@ class Engine:
         Raises:
             InputError: empty or too long prompt, bad parameters, n_max out of range.
         """
-        params.validate()
-        self.check_prompt(prompt_ids)
-        controller = None
-        if n_max == "auto":
-            controller = AdaptiveDraftLength(self.forward_costs(), n_cap=min(8, self.max_rollback - 1))
-        elif not isinstance(n_max, int) or not 0 <= n_max < self.max_rollback:
-            raise InputError(f"draft length must be in 0..{self.max_rollback - 1} or 'auto' (got {n_max})")
-        drafter = drafter or NoDrafter()
-        drafter.reset()
-        st = stats if stats is not None else RequestStats()
-        sampler = Sampler(params)
-        st.seed, st.prompt_tokens = sampler.seed, len(prompt_ids)
-        stop = _StopChecker(self.tokenizer, params)
-        t0 = time.perf_counter()
-        self.cache.reset()
-        out = self._prefill(prompt_ids)
-        tokens = list(prompt_ids)
-        token = sampler.sample(out.logits[0], tokens)
-        hidden = out.hidden[-1]
-        t1 = time.perf_counter()
-        st.prefill_ms = st.ttft_ms = (t1 - t0) * 1e3
-        t_last = t1
-        text = stop.add(token)
-        if text is None:
-            st.stop_reason = stop.reason
-            return
-        tokens.append(token)
-        st.generated_tokens = 1
-        if text:
-            yield Event(text, [token])
-        if not stop.reason and len(tokens) >= self.ctx_size:
-            stop.reason = "context"
-        while not stop.reason:
-            start = self.cache.length  # == len(tokens) - 1: the pending token is not cached yet
-            room = self.ctx_size - start - 1  # positions left after the pending token
-            remaining = params.max_tokens - st.generated_tokens if params.max_tokens != -1 else room
-            t_round = time.perf_counter()
-            k = max(0, min(controller.choose() if controller else n_max, room, remaining - 1))
-            ctx = DraftContext(tokens, hidden)
-            draft = drafter.propose(ctx, k) if k > 0 else None
-            t_drafted = time.perf_counter()
-            drafts = list(draft.tokens[:k]) if draft else []
-            if len(drafts) < max(n_min, 1):
-                drafts = []
-            out = self.model.forward(torch.tensor(tokens[-1:] + drafts), self.cache, all_logits=bool(drafts))
-            verdict = self._verify(out.logits, tokens, drafts, draft.dists if draft else None, params, sampler)
-            new = drafts[:verdict.n_accepted] + [verdict.next_token]
-            kept = 0
-            shown, shown_ids = [], []
-            for t in new:
-                text = stop.add(t)
-                if text is None:
-                    break
-                kept += 1
-                shown_ids.append(t)
-                if text:
-                    shown.append(text)
-                if stop.reason:
-                    break
-            self.cache.rollback(start + kept)
-            tokens.extend(new[:kept])
-            st.generated_tokens += kept
-            st.spec.record(len(drafts), min(verdict.n_accepted, kept))
-            hidden = out.hidden[min(kept, verdict.n_accepted)] if kept else hidden
-            drafter.accepted(DraftContext(tokens, hidden), min(verdict.n_accepted, kept))
-            t_last = time.perf_counter()
-            if controller:
-                controller.update(len(drafts), verdict.n_accepted, t_drafted - t_round, t_last - t_round)
-            if shown_ids:
-                yield Event("".join(shown), shown_ids)
-            if not stop.reason and len(tokens) >= self.ctx_size:
-                stop.reason = "context"
-        tail = stop.finish()
-        if tail:
-            yield Event(tail, [])
-        st.decode_ms = (t_last - t1) * 1e3
-        st.stop_reason = stop.reason
+        state = RequestState(self, prompt_ids, params, drafter, n_max, n_min, stats, cache=self.cache)
+        yield from _merged(state.prefill())
+        while not state.done:
+            rnd = state.begin_round()
+            out = self.model.forward(rnd.tokens, state.cache, all_logits=rnd.all_logits)
+            yield from _merged(state.finish_round(out))
 
     def _verify(self, logits, history, drafts, dists, params: SamplingParams, sampler: Sampler) -> Verdict:
         """Decide a round from the target's logits float32 [len(drafts)+1, V]."""
