@@ -36,6 +36,11 @@ class CausalLM(Protocol):
         cache, and return logits for the last position (or all with ``all_logits``)."""
         ...
 
+    # Optional: ``forward_batch(seqs, all_logits) -> list[ForwardOutput]`` runs several
+    # ``(tokens, cache)`` sequences in one forward, each output bit-identical to its solo forward
+    # (Gemma 3 has it). The server batches slots through it and runs slots one forward at a time
+    # for a model without it.
+
 
 def linear(w, x: torch.Tensor) -> torch.Tensor:
     """x float32 [..., K] @ W.T for a :class:`QuantizedWeight` or a dense float32 [N, K] tensor."""

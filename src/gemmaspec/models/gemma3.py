@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Gemma3Config
-from ..kernels import QuantizedWeight
+from ..kernels import SMALL_M, QuantizedWeight
 from ..kv_cache import KVCache
 from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin
 
@@ -54,7 +54,7 @@ class _Layer:
 
 
 class Gemma3Model:
-    """Gemma 3 decoder over one sequence.
+    """Gemma 3 decoder over one sequence (:meth:`forward`) or several at once (:meth:`forward_batch`).
 
     Args:
         config: the model's :class:`Gemma3Config`.
@@ -99,47 +99,110 @@ class Gemma3Model:
         Raises:
             ValueError: the tokens would run past the cache's capacity.
         """
+        return self._run([(tokens, cache)], [all_logits], split_rows=False)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, seqs, all_logits=False) -> list[ForwardOutput]:
+        """Run several sequences in one forward: every row of every sequence goes through the
+        embedding, norms, projections and MLP together; attention runs per sequence against its
+        own cache. Each sequence's output is bit-identical to :meth:`forward` on it alone (the
+        quantized kernel is batch-invariant, products are fed to it at most ``SMALL_M`` rows at a
+        time, and every other op works row by row), which is what lets a server batch users
+        without changing anyone's tokens.
+
+        Args:
+            seqs: list of ``(tokens int64 [T_i], cache)``; distinct caches, each T_i ≤ ``SMALL_M``
+                for exact results (longer ones are correct but run like a prefill).
+            all_logits: one bool for all, or one per sequence (as :meth:`forward`'s).
+
+        Returns:
+            one :class:`ForwardOutput` per sequence, in order.
+
+        Raises:
+            ValueError: a sequence would run past its cache's capacity, or a cache appears twice.
+        """
+        flags = [all_logits] * len(seqs) if isinstance(all_logits, bool) else list(all_logits)
+        if len(flags) != len(seqs):
+            raise ValueError(f"{len(flags)} all_logits flags for {len(seqs)} sequences")
+        if len({id(cache) for _, cache in seqs}) != len(seqs):
+            raise ValueError("forward_batch needs a distinct cache per sequence")
+        return self._run(seqs, flags, split_rows=True) if seqs else []
+
+    def _run(self, seqs, flags, split_rows: bool) -> list[ForwardOutput]:
         c = self.config
-        t = tokens.shape[0]
-        start = cache.length
-        if start + t > cache.capacity:
-            raise ValueError(f"{start + t} positions exceed the context size {cache.capacity}")
-        pos = torch.arange(start, start + t, device=self.device)
+        starts, bounds = [], [0]
+        for tokens, cache in seqs:
+            t, start = tokens.shape[0], cache.length
+            if start + t > cache.capacity:
+                raise ValueError(f"{start + t} positions exceed the context size {cache.capacity}")
+            starts.append(start)
+            bounds.append(bounds[-1] + t)
+        single = len(seqs) == 1
+        tokens = seqs[0][0] if single else torch.cat([tok for tok, _ in seqs])
+        n = bounds[-1]
+        pos = torch.cat([torch.arange(s, s + tok.shape[0], device=self.device) for s, (tok, _) in zip(starts, seqs)])
         rope = {
             True: rope_cos_sin(pos, c.head_dim, c.rope_theta_local),
             False: rope_cos_sin(pos, c.head_dim, c.rope_theta_global, c.rope_scaling_factor),
         }
+        lin = _linear_rows if split_rows else linear
         h_q, h_kv, d = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
         x = self.embed_tokens(tokens)
-        plans = {True: cache.plan(start, t, c.sliding_window), False: cache.plan(start, t, None)}
-        for layer, kv in zip(self.layers, cache.layers):
+        plans = [{True: cache.plan(s, tok.shape[0], c.sliding_window), False: cache.plan(s, tok.shape[0], None)}
+                 for s, (tok, cache) in zip(starts, seqs)]
+        for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, eps)
             if layer.qkv is not None:
-                qkv = layer.qkv(h)
+                qkv = lin(layer.qkv, h)
                 q, k, v = qkv.split([h_q * d, h_kv * d, h_kv * d], dim=-1)
             else:
-                q, k, v = linear(layer.q, h), linear(layer.k, h), linear(layer.v, h)
-            q = rms_norm(q.reshape(t, h_q, d), layer.q_norm, eps)
-            k = rms_norm(k.reshape(t, h_kv, d), layer.k_norm, eps)
-            v = v.reshape(t, h_kv, d)
+                q, k, v = lin(layer.q, h), lin(layer.k, h), lin(layer.v, h)
+            q = rms_norm(q.reshape(n, h_q, d), layer.q_norm, eps)
+            k = rms_norm(k.reshape(n, h_kv, d), layer.k_norm, eps)
+            v = v.reshape(n, h_kv, d)
             cos, sin = rope[layer.sliding]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            plan = plans[layer.sliding]
-            keys, values = kv.read(plan, start, k, v)
-            a = attention(q, keys, values, plan.mask, self.attn_scale)
-            a = linear(layer.o, a.reshape(t, h_q * d))
+            parts = []
+            for j, (_, cache) in enumerate(seqs):
+                a0, a1 = bounds[j], bounds[j + 1]
+                plan = plans[j][layer.sliding]
+                keys, values = cache.layers[li].read(plan, starts[j], k[a0:a1], v[a0:a1])
+                parts.append(attention(q[a0:a1], keys, values, plan.mask, self.attn_scale))
+            a = parts[0] if single else torch.cat(parts)
+            a = lin(layer.o, a.reshape(n, h_q * d))
             x = x + rms_norm(a, layer.post_attn_norm, eps)
             h = rms_norm(x, layer.ffn_norm, eps)
             if layer.gate_up is not None:
-                gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                gate, up = lin(layer.gate_up, h).chunk(2, dim=-1)
             else:
-                gate, up = linear(layer.gate, h), linear(layer.up, h)
-            f = linear(layer.down, F.gelu(gate, approximate="tanh") * up)
+                gate, up = lin(layer.gate, h), lin(layer.up, h)
+            f = lin(layer.down, F.gelu(gate, approximate="tanh") * up)
             x = x + rms_norm(f, layer.post_ffn_norm, eps)
-        cache.advance(start, t)
+        for s, (tok, cache) in zip(starts, seqs):
+            cache.advance(s, tok.shape[0])
         hidden = rms_norm(x, self.final_norm, eps)
-        logits = linear(self.head, hidden if all_logits else hidden[-1:])
+        if single:
+            rows, counts = (hidden if flags[0] else hidden[-1:]), [n if flags[0] else 1]
+        else:
+            idx = [list(range(bounds[j], bounds[j + 1])) if flags[j] else [bounds[j + 1] - 1] for j in range(len(seqs))]
+            counts = [len(i) for i in idx]
+            rows = hidden[torch.tensor([i for ix in idx for i in ix], device=hidden.device)]
+        logits = lin(self.head, rows)
         if c.final_logit_softcapping:
             logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
-        return ForwardOutput(logits=logits, hidden=hidden)
+        if single:
+            return [ForwardOutput(logits=logits, hidden=hidden)]
+        outs, at = [], 0
+        for j, m in enumerate(counts):
+            outs.append(ForwardOutput(logits=logits[at:at + m], hidden=hidden[bounds[j]:bounds[j + 1]]))
+            at += m
+        return outs
+
+
+def _linear_rows(w, x: torch.Tensor) -> torch.Tensor:
+    """:func:`linear` fed at most ``SMALL_M`` rows at a time, so every row of a quantized product
+    goes through the batch-invariant C kernel (more rows at once would take the dense path)."""
+    if not isinstance(w, QuantizedWeight) or x.shape[0] <= SMALL_M:
+        return linear(w, x)
+    return torch.cat([linear(w, x[i:i + SMALL_M]) for i in range(0, x.shape[0], SMALL_M)])
