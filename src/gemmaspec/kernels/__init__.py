@@ -40,14 +40,14 @@ _lib_tried = False
 _lock = threading.Lock()
 
 
-def _compile(out: Path) -> None:
+def _compile(src: Path, out: Path) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler (cc or gcc) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        cmd = [cc, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(_SRC), "-o", str(tmp_so)]
+        cmd = [cc, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(tmp_so)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:500]}")
@@ -66,13 +66,30 @@ def _cpu_flags() -> str:
     return ""
 
 
-def load_library():
-    """The compiled kernel library (a ``ctypes.CDLL``), or None when it cannot be had.
+def compiled_library(src: Path):
+    """``src`` (a C file beside this module) compiled into the gemmaspec cache and loaded as a
+    ``ctypes.CDLL``, or None when it cannot be had (no compiler, a broken build,
+    ``GEMMASPEC_NO_KERNELS=1``). Compiles on first use (about 1 s) into ``<cache>/kernels/``; the file
+    name holds a hash of the source, the compiler flags, the machine and its CPU flags, so a change of
+    any of them rebuilds it."""
+    if os.environ.get("GEMMASPEC_NO_KERNELS") == "1":
+        return None
+    key = hashlib.sha256(
+        src.read_bytes() + f"|-O3 -march=native -ffp-contract=off -fopenmp|{os.uname().machine}|{_cpu_flags()}".encode()
+    ).hexdigest()[:16]
+    so = cache_home() / "kernels" / f"{src.stem}-{key}.so"
+    try:
+        if not so.exists():
+            _compile(src, so)
+        return ctypes.CDLL(str(so))
+    except OSError as exc:  # no compiler, or a broken build: the caller falls back
+        log.warning("gemmaspec: C kernel %s unavailable (%s); using the slower fallback", src.name, exc)
+        return None
 
-    Compiles ``qmatmul.c`` on first use (about 1 s) into ``<cache>/kernels/``; the file name holds
-    a hash of the source, the compiler flags, the machine and the Python version, so a change of any
-    of them rebuilds it.
-    """
+
+def load_library():
+    """The compiled matmul kernel library (``qmatmul.c``), or None when it cannot be had
+    (see :func:`compiled_library`)."""
     global _lib, _lib_tried
     if _lib_tried:
         return _lib
@@ -80,18 +97,8 @@ def load_library():
         if _lib_tried:
             return _lib
         _lib_tried = True
-        if os.environ.get("GEMMASPEC_NO_KERNELS") == "1":
-            return None
-        key = hashlib.sha256(
-            _SRC.read_bytes() + f"|-O3 -march=native -ffp-contract=off -fopenmp|{os.uname().machine}|{_cpu_flags()}".encode()
-        ).hexdigest()[:16]
-        so = cache_home() / "kernels" / f"qmatmul-{key}.so"
-        try:
-            if not so.exists():
-                _compile(so)
-            lib = ctypes.CDLL(str(so))
-        except OSError as exc:  # no compiler, or a broken build: fall back to torch
-            log.warning("gemmaspec: C kernels unavailable (%s); using slower torch matmuls", exc)
+        lib = compiled_library(_SRC)
+        if lib is None:
             return None
         P, I = ctypes.c_void_p, ctypes.c_int
         lib.gs_qmatmul.argtypes = [P, P, P, I, I, I, P, P, I, P, I]

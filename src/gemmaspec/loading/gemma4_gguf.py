@@ -72,31 +72,35 @@ def gguf_name(name: str, n_layers: int) -> str:
     raise ValueError(f"no GGUF name for tensor {name}")
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(torch.float32).contiguous().numpy()
+def keep_f32(name: str, shape) -> bool:
+    """Tensors llama.cpp keeps in float32 whatever the file type: 1-D ones, norms, scales."""
+    return len(shape) < 2 or name.endswith((".scale", "_norm.weight", "norm.weight")) or "layer_output_scale" in name
 
 
-def _write_tensor(w: gguf.GGUFWriter, name: str, t: torch.Tensor, outtype: T) -> str:
-    """Write one tensor: norms, scales, 1-D and small tensors stay F32 (as llama.cpp keeps them)."""
-    if not t.is_floating_point():
-        w.add_tensor(name, t.to(torch.int32).numpy())
-        return "I32"
-    arr = _np(t)
-    keep_f32 = arr.ndim < 2 or name.endswith((".scale", "_norm.weight", "norm.weight")) or "layer_output_scale" in name
-    if keep_f32 or outtype == T.F32:
-        w.add_tensor(name, arr)
-        return "F32"
-    if outtype == T.F16:
-        w.add_tensor(name, arr.astype(np.float16))
-        return "F16"
-    if outtype == T.BF16:
-        w.add_tensor(name, gguf.quants.quantize(arr, T.BF16), raw_dtype=T.BF16)
-        return "BF16"
-    if arr.shape[-1] % 32:
-        w.add_tensor(name, arr.astype(np.float16))
-        return "F16"
-    w.add_tensor(name, gguf.quants.quantize(arr, T.Q8_0), raw_dtype=T.Q8_0)
-    return "Q8_0"
+def _out_type(name: str, t, outtype: T) -> T:
+    """Storage type of one tensor in a ``convert`` of file type ``outtype``."""
+    if not t.is_float:
+        return T.I32
+    if keep_f32(name, t.shape) or outtype == T.F32:
+        return T.F32
+    if outtype == T.Q8_0 and t.row_len % 32:
+        return T.F16
+    return outtype
+
+
+def stream_tensor(s, name: str, t, qtype: T, rows_per_chunk: int | None = None) -> int:
+    """Write StoredTensor ``t`` as ``qtype`` into the :class:`~gemmaspec.loading.gguf_out.StreamingGGUF` ``s``,
+    a block of rows at a time (about 4M values); integer tensors are written as int32."""
+    from .gguf_out import encode_rows
+
+    s.begin(name, t.shape, qtype)
+    if not t.is_float:
+        s.write(t.load().to(torch.int32).numpy())
+        return s.end()
+    step = rows_per_chunk or max(1, (4 << 20) // max(1, t.row_len))
+    for r0 in range(0, t.rows, step):
+        s.write(encode_rows(t.read_rows(r0, min(t.rows, r0 + step)), qtype))
+    return s.end()
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:
@@ -185,8 +189,70 @@ def _rope_freqs(c: Gemma4Config) -> np.ndarray:
     return np.array([1.0] * n_rot + [1e30] * (c.global_head_dim // 2 - n_rot), dtype=np.float32)
 
 
+def hf_source(hf_dir: str | os.PathLike):
+    """What a Gemma 4 checkpoint directory becomes in GGUF, nothing read yet.
+
+    Returns:
+        ``(arch, tensors, add_metadata)``: arch ``gemma4`` or ``gemma4-assistant``; tensors a list of
+        (GGUF name, :class:`~gemmaspec.loading.stored.StoredTensor` or float32 ndarray) in write
+        order (the tied head and tensors nothing reads, such as K/V of KV-shared layers, left out);
+        ``add_metadata(writer, file_type)`` adds every key llama.cpp reads, tokenizer included.
+
+    Raises:
+        ModelFileError / UnsupportedArchitectureError: unreadable or unsupported checkpoint.
+    """
+    from ..errors import UnsupportedArchitectureError
+    from .safetensors import lazy_tensors, read_config
+
+    hf_dir = Path(hf_dir)
+    cfg = read_config(hf_dir)
+    mtype = cfg.get("model_type")
+    if mtype in ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"):
+        arch, text_cfg = ARCH_TARGET, cfg
+        stored = lazy_tensors(hf_dir)
+    elif mtype in ("gemma4_assistant", "gemma4_unified_assistant"):
+        arch, text_cfg = ARCH_ASSISTANT, cfg.get("text_config") or {}
+        stored = {k[len("model."):] if k.startswith("model.") else k: v
+                  for k, v in lazy_tensors(hf_dir, strip_prefix=False).items()}
+    else:
+        raise UnsupportedArchitectureError(
+            f"{hf_dir}: model_type '{mtype}' cannot be converted; supported: gemma4(_unified), gemma4(_unified)_text, gemma4(_unified)_assistant")
+    try:
+        c = Gemma4Config.from_hf(text_cfg)
+    except ValueError as exc:
+        raise ModelFileError(f"{hf_dir}/config.json: {exc}") from None
+    n_ff = []
+    for i in range(c.num_layers):
+        g = stored.get(f"layers.{i}.mlp.gate_proj.weight")
+        n_ff.append(int(g.shape[0]) if g is not None else c.intermediate_size)
+    tied = cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", True)) is not False
+    tensors: list = [("rope_freqs.weight", _rope_freqs(c))]
+    for name in sorted(stored):
+        if name == "lm_head.weight" and tied and "embed_tokens.weight" in stored:
+            continue  # tied head: llama.cpp reads token_embd
+        try:
+            tensors.append((gguf_name(name, c.num_layers), stored[name]))
+        except ValueError:
+            continue  # e.g. K/V of KV-shared layers: nothing reads them
+
+    def add_metadata(w: gguf.GGUFWriter, file_type: int) -> None:
+        w.add_name(cfg.get("_name_or_path") or hf_dir.name)
+        w.add_file_type(file_type)
+        _add_text_params(w, c, n_ff)
+        if arch == ARCH_ASSISTANT:
+            w.add_embedding_length_out(int(cfg["backbone_hidden_size"]))
+            w.add_nextn_predict_layers(c.num_layers)
+            if cfg.get("use_ordered_embeddings"):
+                w.add_uint32(f"{arch}.num_centroids", int(cfg.get("num_centroids", 2048)))
+                w.add_uint32(f"{arch}.centroid_top_k", int(cfg.get("centroid_intermediate_top_k", 32)))
+        _add_tokenizer(w, hf_dir, cfg)
+
+    return arch, tensors, add_metadata
+
+
 def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, outtype: str = "bf16", force: bool = False) -> dict:
-    """Write a Gemma 4 target or assistant checkpoint directory as GGUF.
+    """Write a Gemma 4 target or assistant checkpoint directory as GGUF, tensor by tensor (bounded
+    memory: a few million values at a time).
 
     Returns:
         A summary: arch, tensor count, types used, bytes written.
@@ -197,69 +263,27 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, outtype: str = "b
     The output is written to a temporary file beside OUT and renamed at the end, so a failure
     leaves no partial OUT.
     """
-    from ..errors import UnsupportedArchitectureError
-    from .safetensors import load_tensors, read_config
+    from .gguf_out import StreamingGGUF
+    from .stored import StoredTensor
 
     if outtype not in OUTTYPES:
         raise InputError(f"--outtype must be one of {', '.join(OUTTYPES)} (got {outtype})")
-    hf_dir, out = Path(hf_dir), Path(out)
-    if out.exists() and not force:
-        raise InputError(f"{out} exists; pass --force to overwrite it")
-    cfg = read_config(hf_dir)
-    mtype = cfg.get("model_type")
-    if mtype in ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"):
-        arch, text_cfg = ARCH_TARGET, cfg
-        tensors = load_tensors(hf_dir)
-    elif mtype in ("gemma4_assistant", "gemma4_unified_assistant"):
-        arch, text_cfg = ARCH_ASSISTANT, cfg.get("text_config") or {}
-        tensors = {k[len("model."):] if k.startswith("model.") else k: v
-                   for k, v in load_tensors(hf_dir, strip_prefix=False).items()}
-    else:
-        raise UnsupportedArchitectureError(
-            f"{hf_dir}: model_type '{mtype}' cannot be converted; supported: gemma4(_unified), gemma4(_unified)_text, gemma4(_unified)_assistant")
-    try:
-        c = Gemma4Config.from_hf(text_cfg)
-    except ValueError as exc:
-        raise ModelFileError(f"{hf_dir}/config.json: {exc}") from None
     qtype = OUTTYPES[outtype]
-    tmp = out.with_name(f".{out.name}.partial")
+    arch, tensors, add_metadata = hf_source(hf_dir)
     types: dict[str, int] = {}
-    try:
-        w = gguf.GGUFWriter(str(tmp), arch)
-        w.add_name(cfg.get("_name_or_path") or hf_dir.name)
-        w.add_file_type({T.F32: 0, T.F16: 1, T.Q8_0: 7, T.BF16: 32}[qtype])
-        n_ff = []
-        for i in range(c.num_layers):
-            g = tensors.get(f"layers.{i}.mlp.gate_proj.weight")
-            n_ff.append(int(g.shape[0]) if g is not None else c.intermediate_size)
-        _add_text_params(w, c, n_ff)
-        if arch == ARCH_ASSISTANT:
-            w.add_embedding_length_out(int(cfg["backbone_hidden_size"]))
-            w.add_nextn_predict_layers(c.num_layers)
-            if cfg.get("use_ordered_embeddings"):
-                w.add_uint32(f"{arch}.num_centroids", int(cfg.get("num_centroids", 2048)))
-                w.add_uint32(f"{arch}.centroid_top_k", int(cfg.get("centroid_intermediate_top_k", 32)))
-        _add_tokenizer(w, hf_dir, cfg)
-        w.add_tensor("rope_freqs.weight", _rope_freqs(c))
-        for name in sorted(tensors):
-            if name == "lm_head.weight" and "embed_tokens.weight" in tensors and \
-                    torch.equal(tensors[name], tensors["embed_tokens.weight"]):
-                continue  # tied head
-            try:
-                gname = gguf_name(name, c.num_layers)
-            except ValueError:
-                continue  # e.g. K/V of KV-shared layers: nothing reads them
-            kind = _write_tensor(w, gname, tensors[name], qtype)
-            types[kind] = types.get(kind, 0) + 1
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return {"arch": arch, "tensors": sum(types.values()), "types": types, "bytes": out.stat().st_size}
+    with StreamingGGUF(out, arch, force) as s:
+        for name, t in tensors:
+            if isinstance(t, StoredTensor):
+                kind = _out_type(name, t, qtype)
+                stream_tensor(s, name, t, kind)
+            else:
+                kind = T.F32
+                s.begin(name, t.shape, kind)
+                s.write(t.astype(np.float32))
+                s.end()
+            types[kind.name] = types.get(kind.name, 0) + 1
+        size = s.finish(lambda w: add_metadata(w, {T.F32: 0, T.F16: 1, T.Q8_0: 7, T.BF16: 32}[qtype]))
+    return {"arch": arch, "tensors": sum(types.values()), "types": types, "bytes": size}
 
 
 # ---- reading -----------------------------------------------------------------------------------

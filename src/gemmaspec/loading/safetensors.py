@@ -92,6 +92,26 @@ def load_tensors(path: Path, strip_prefix: bool = True) -> dict:
     return out
 
 
+def lazy_tensors(path: Path, strip_prefix: bool = True) -> dict:
+    """Like :func:`load_tensors`, but nothing is read yet: name → :class:`~gemmaspec.loading.stored.StoredTensor`
+    (read rows on demand, in bounded memory).
+
+    Raises:
+        ModelFileError: a shard is missing, truncated or not safetensors.
+    """
+    from .stored import safetensors_index
+
+    out = {}
+    for shard in _shards(path):
+        if not shard.exists():
+            raise ModelFileError(f"{shard} is listed in the index but missing")
+        for name, t in safetensors_index(shard).items():
+            text = _text_name(name) if strip_prefix else name
+            if text is not None:
+                out[text] = t
+    return out
+
+
 def load_gemma4_dir(path: str | Path):
     """``(config, Gemma4Model)`` of a Gemma 4 text (or multimodal) checkpoint directory, float32.
 
