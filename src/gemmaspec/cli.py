@@ -65,6 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--outtype", default="bf16", choices=["f32", "f16", "bf16", "q8_0"],
                     help="type of the 2-D weights (norms and scales stay f32; default bf16)")
     cv.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+
+    q = sub.add_parser("quantize", help="pack a QAT checkpoint as exact Q4_0 GGUF (no re-rounding), with a report")
+    q.add_argument("src", metavar="IN", help="GGUF with BF16/F16/F32 tensors, or a Gemma 4 Hugging Face directory")
+    q.add_argument("out", metavar="OUT.gguf", help="output GGUF")
+    q.add_argument("--exact", action="store_true", required=True,
+                   help="recover each block's trained 4-bit grid (the only mode; required, so the intent is explicit)")
+    q.add_argument("--fallback", default="q8_0", choices=["q8_0", "f16", "bf16", "f32"],
+                   help="type of 2-D weights that fit no 4-bit grid (default q8_0, as llama.cpp stores drafters)")
+    q.add_argument("--strict", action="store_true", help="an off-grid block in a 2-D weight is an error, not a fallback")
+    q.add_argument("--report", metavar="REPORT.json", default=None, help="also write the report as JSON")
+    q.add_argument("--compare-all", action="store_true",
+                   help="measure the Q8_0 / amax-Q4_0 comparison on every row (default: every 16th row of large tensors)")
+    q.add_argument("-v", "--verbose", action="store_true", help="print the per-tensor table even for large models")
+    q.add_argument("-t", "--threads", type=int, default=None, help="threads for packing (all cores)")
+    q.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+
+    v = sub.add_parser("verify", help="check a quantized GGUF against its source, tensor by tensor (exit 0/1)")
+    v.add_argument("out", metavar="OUT.gguf", help="the file written by gemmaspec quantize")
+    v.add_argument("--against", metavar="IN", required=True, help="the source it was made from")
     return ap
 
 
@@ -168,6 +187,32 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _cmd_quantize(args) -> int:
+    from .quant.quantize import quantize_exact, write_report
+
+    rep = quantize_exact(args.src, args.out, args.fallback, strict=args.strict, force=args.force,
+                         compare_all=args.compare_all, threads=args.threads)
+    print(rep.table(per_tensor=args.verbose or len(rep.tensors) <= 60), file=sys.stderr)
+    if args.report:
+        write_report(rep, args.report)
+    print(f"wrote {args.out}: {rep.output_bytes / 1e6:.1f} MB in {rep.seconds:.1f} s "
+          f"({rep.source_bytes / 1e6 / max(rep.seconds, 1e-9):.0f} MB/s of source)", file=sys.stderr)
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    from .quant.quantize import verify
+
+    res = verify(args.out, args.against)
+    types = ", ".join(f"{n} {k}" for k, n in sorted(res.by_type.items()))
+    for f in res.failures:
+        print(f"FAIL {f}", file=sys.stderr)
+    verdict = "OK" if res.ok else f"FAILED ({len(res.failures)} problems)"
+    print(f"{verdict}: {res.checked} tensors checked ({types}); Q4_0 worst {res.worst_ulp_q4_0:.2f} ulp of the source "
+          "(bound 1.0); other types equal the source's encoding", file=sys.stderr)
+    return 0 if res.ok else 1
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -175,6 +220,10 @@ def main(argv=None) -> int:
             return _cmd_generate(args)
         if args.command == "convert":
             return _cmd_convert(args)
+        if args.command == "quantize":
+            return _cmd_quantize(args)
+        if args.command == "verify":
+            return _cmd_verify(args)
         return _cmd_inspect(args)
     except GemmaspecError as exc:
         print(f"error: {exc}", file=sys.stderr)
