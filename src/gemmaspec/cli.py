@@ -2,7 +2,8 @@
 
 ``gemmaspec generate`` streams generated text (never the prompt) to stdout and writes one stats line
 (and, with speculation, llama-server's acceptance line) to stderr. ``gemmaspec inspect MODEL`` prints
-what a model file holds. Errors are one line on stderr and exit status 1; usage errors exit 2.
+what a model file holds. ``gemmaspec serve`` runs the OpenAI-compatible HTTP server
+(:mod:`gemmaspec.server`). Errors are one line on stderr and exit status 1; usage errors exit 2.
 Flags follow llama.cpp's ``llama-cli`` / ``llama-server``.
 """
 
@@ -21,6 +22,21 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="context size in tokens (0 = the model's; default 4096 or the model's, if smaller)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default auto)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def _add_spec(p: argparse.ArgumentParser, default: str | None = "none", help_default: str = "default none") -> None:
+    sp = p.add_argument_group("speculative decoding (llama-server's flags)")
+    sp.add_argument("--spec-type", default=default, choices=["none", "ngram-simple", "draft-simple", "draft-mtp"],
+                    help=f"drafter ({help_default})")
+    sp.add_argument("--spec-draft-n-max", "--draft-max", default="3",
+                    help="most draft tokens per round, or 'auto' to adapt per request (default 3)")
+    sp.add_argument("--spec-draft-n-min", "--draft-min", type=int, default=0,
+                    help="proposals shorter than this are not verified (default 0)")
+    sp.add_argument("--spec-draft-p-min", "--draft-p-min", type=float, default=0.0,
+                    help="draft model stops drafting below this top probability (default 0)")
+    sp.add_argument("-md", "--model-draft", default=None, help="draft model GGUF for --spec-type draft-simple")
+    sp.add_argument("--spec-ngram-size", type=int, default=4, help="longest n-gram to match (default 4)")
+    sp.add_argument("--spec-ngram-min", type=int, default=1, help="shortest n-gram that counts (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,18 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("-sys", "--system-prompt", default=None, help="system message for --chat")
 
-    sp = g.add_argument_group("speculative decoding (llama-server's flags)")
-    sp.add_argument("--spec-type", default="none", choices=["none", "ngram-simple", "draft-simple", "draft-mtp"],
-                    help="drafter (default none)")
-    sp.add_argument("--spec-draft-n-max", "--draft-max", default="3",
-                    help="most draft tokens per round, or 'auto' to adapt per request (default 3)")
-    sp.add_argument("--spec-draft-n-min", "--draft-min", type=int, default=0,
-                    help="proposals shorter than this are not verified (default 0)")
-    sp.add_argument("--spec-draft-p-min", "--draft-p-min", type=float, default=0.0,
-                    help="draft model stops drafting below this top probability (default 0)")
-    sp.add_argument("-md", "--model-draft", default=None, help="draft model GGUF for --spec-type draft-simple")
-    sp.add_argument("--spec-ngram-size", type=int, default=4, help="longest n-gram to match (default 4)")
-    sp.add_argument("--spec-ngram-min", type=int, default=1, help="shortest n-gram that counts (default 1)")
+    _add_spec(g)
+
+    from .server.main import add_serve_parser
+
+    add_serve_parser(sub, _add_common, _add_spec)
 
     i = sub.add_parser("inspect", help="print a model file's architecture, config and tensor types")
     i.add_argument("model", help="GGUF model file")
@@ -220,6 +229,10 @@ def main(argv=None) -> int:
             return _cmd_generate(args)
         if args.command == "convert":
             return _cmd_convert(args)
+        if args.command == "serve":
+            from .server.main import serve
+
+            return serve(args)
         if args.command == "quantize":
             return _cmd_quantize(args)
         if args.command == "verify":

@@ -114,7 +114,20 @@ def load_assistant(path):
 
 def load_drafter(spec_type: str, engine: Engine, draft_model: str | None = None, p_min: float = 0.0,
                  ngram_max: int = 4, ngram_min: int = 1):
-    """The drafter for ``--spec-type``.
+    """The drafter for ``--spec-type``, for requests run in the engine's own cache.
+
+    Raises:
+        InputError: unknown type, missing or incompatible ``-md`` model, bad values.
+    """
+    return drafter_factory(spec_type, engine, draft_model, p_min, ngram_max, ngram_min)(engine.cache)
+
+
+def drafter_factory(spec_type: str, engine: Engine, draft_model: str | None = None, p_min: float = 0.0,
+                    ngram_max: int = 4, ngram_min: int = 1):
+    """Load what ``--spec-type`` needs once (a draft model, an assistant) and return
+    ``make(cache) -> Drafter``: a fresh drafter for requests that run in the target KV cache
+    ``cache`` (drafters keep per-request state, so each concurrently served slot needs its own; a
+    draft model's weights are shared, each drafter gets its own draft cache).
 
     Raises:
         InputError: unknown type, missing or incompatible ``-md`` model, bad values.
@@ -128,9 +141,10 @@ def load_drafter(spec_type: str, engine: Engine, draft_model: str | None = None,
     if spec_type not in ("draft-simple", "draft-mtp") and draft_model:
         raise InputError(f"-md is used by --spec-type draft-simple or draft-mtp, not {spec_type}")
     if spec_type == "none":
-        return NoDrafter()
+        return lambda cache: NoDrafter()
     if spec_type == "ngram-simple":
-        return NgramDrafter(ngram_max, ngram_min)
+        NgramDrafter(ngram_max, ngram_min)  # check the sizes now
+        return lambda cache: NgramDrafter(ngram_max, ngram_min)
     if spec_type == "draft-mtp":
         from .speculative.drafters import MTPDrafter, check_mtp_pair
 
@@ -142,13 +156,13 @@ def load_drafter(spec_type: str, engine: Engine, draft_model: str | None = None,
             import sys
 
             print(warning, file=sys.stderr)
-        return MTPDrafter(assistant, engine.model, engine.cache)
+        return lambda cache: MTPDrafter(assistant, engine.model, cache)
     if not draft_model:
         raise InputError("--spec-type draft-simple needs a draft model: -md DRAFT.gguf")
     device = engine.model.device
     model, loaded = load_model(draft_model, device)
     check_same_vocabulary(engine.tokenizer, loaded.tokenizer)
-    return DraftModelDrafter(model, engine.ctx_size, p_min)
+    return lambda cache: DraftModelDrafter(model, engine.ctx_size, p_min)
 
 
-__all__ = ["load_engine", "load_model", "load_drafter", "resolve_device", "GemmaspecError", "SPEC_TYPES"]
+__all__ = ["load_engine", "load_model", "load_drafter", "drafter_factory", "resolve_device", "GemmaspecError", "SPEC_TYPES"]

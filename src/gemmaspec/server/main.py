@@ -1,0 +1,94 @@
+"""The ``gemmaspec serve`` command: flags (llama-server's names) and startup.
+
+The socket is bound first (so a busy port is a one-line error), then uvicorn starts answering
+(``/health`` says 503 while the model loads on the scheduler thread, then 200). A model that fails to
+load ends the server with ``error: ...`` and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+from ..errors import InputError
+
+
+def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
+    """Register ``serve`` on the ``gemmaspec`` subparsers (``add_common``/``add_spec``: the shared flags)."""
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (llama-server's API), several users at once")
+    add_common(s)
+    s.add_argument("-np", "--parallel", type=int, default=4,
+                   help="slots: requests served at once, batched together (default 4); more wait in a queue")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8085, help="port (default 8085; 0 picks a free one)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API endpoints")
+    s.add_argument("-a", "--alias", default=None, help="model name clients use (default: the model's file name)")
+    add_spec(s, default=None,
+             help_default="default ngram-simple; with -md: draft-mtp for a Gemma 4 target, else draft-simple")
+    return s
+
+
+def serve(args) -> int:
+    """Run the server until interrupted. Returns the exit status.
+
+    Raises:
+        InputError: bad flag values, or the address cannot be bound.
+    """
+    import uvicorn
+
+    from ..cli import _parse_n_max
+    from .api import ServeConfig, create_app
+
+    n_max = _parse_n_max(args.spec_draft_n_max)
+    if args.parallel < 1:
+        raise InputError(f"-np must be at least 1 (got {args.parallel})")
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port must be in 0..65535 (got {args.port})")
+    if args.spec_draft_n_min < 0:
+        raise InputError(f"--spec-draft-n-min must be >= 0 (got {args.spec_draft_n_min})")
+    if args.api_key is not None and not args.api_key.strip():
+        raise InputError("--api-key must not be empty")
+    cfg = ServeConfig(model=args.model, draft_model=args.model_draft, spec_type=args.spec_type, n_max=n_max,
+                      n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, ngram_size=args.spec_ngram_size,
+                      ngram_min=args.spec_ngram_min, ctx_size=args.ctx_size, n_slots=args.parallel,
+                      device=args.device, threads=args.threads, api_key=args.api_key, alias=args.alias)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        sock.close()
+        raise InputError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
+                         "pick another --port or --host") from None
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    failure: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def load_failed(exc: BaseException) -> None:
+        failure.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(cfg, on_load_error=load_failed)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3)
+    server = uvicorn.Server(config)
+    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    print(f"gemmaspec serve: listening on http://{host}:{port} (loading the model; /health answers 503 until "
+          "it is ready)", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if failure:
+        exc = failure[0]
+        from ..errors import GemmaspecError
+
+        if isinstance(exc, GemmaspecError):
+            raise exc
+        raise GemmaspecError(f"the model failed to load: {type(exc).__name__}: {exc}")
+    return 0

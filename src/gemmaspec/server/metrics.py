@@ -1,0 +1,58 @@
+"""Prometheus metrics of the server (``GET /metrics``), on a registry of its own.
+
+Counters (Prometheus adds ``_total``): ``gemmaspec_requests_total{endpoint, finish_reason}``,
+``gemmaspec_request_errors_total{endpoint}``, ``gemmaspec_prompt_tokens_total``,
+``gemmaspec_generation_tokens_total``, and the speculative-decoding counters under vLLM's names:
+``spec_decode_num_drafts_total`` (verify steps that had drafts), ``spec_decode_num_draft_tokens_total``,
+``spec_decode_num_accepted_tokens_total`` and ``spec_decode_num_accepted_tokens_per_pos_total{position}``
+(position 0 = the first draft token of a round). Gauges: ``gemmaspec_requests_running``,
+``gemmaspec_requests_waiting``. Histogram: ``gemmaspec_time_to_first_token_seconds`` (arrival → first
+token, queueing included).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app
+
+
+class Metrics:
+    """The server's counters. ``running`` and ``waiting`` are callables read at scrape time."""
+
+    def __init__(self, running=lambda: 0, waiting=lambda: 0):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("gemmaspec_requests", "Finished requests", ["endpoint", "finish_reason"], registry=r)
+        self.errors = Counter("gemmaspec_request_errors", "Requests refused or failed", ["endpoint"], registry=r)
+        self.prompt_tokens = Counter("gemmaspec_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("gemmaspec_generation_tokens", "Tokens generated", registry=r)
+        self.drafts = Counter("spec_decode_num_drafts", "Verify steps with at least one draft token", registry=r)
+        self.draft_tokens = Counter("spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted = Counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_per_pos = Counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by position in the round (0 = first)",
+                                        ["position"], registry=r)
+        self.ttft = Histogram("gemmaspec_time_to_first_token_seconds", "Arrival to first token (queueing included)",
+                              buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        Gauge("gemmaspec_requests_running", "Requests in a slot", registry=r).set_function(running)
+        Gauge("gemmaspec_requests_waiting", "Requests queued for a slot", registry=r).set_function(waiting)
+
+    def record(self, job) -> None:
+        """Count a finished (or cancelled) request: its tokens and speculative rounds."""
+        st = job.stats
+        self.requests.labels(job.endpoint, st.stop_reason or "unknown").inc()
+        self.prompt_tokens.inc(st.prompt_tokens)
+        self.generation_tokens.inc(st.generated_tokens)
+        self.drafts.inc(st.spec.steps)
+        self.draft_tokens.inc(st.spec.drafted)
+        self.accepted.inc(st.spec.accepted)
+        for i, n in enumerate(st.spec.accepted_per_pos):
+            self.accepted_per_pos.labels(str(i)).inc(n)
+        if job.t_first is not None:
+            self.ttft.observe(job.ttft_ms / 1e3)
+
+    def failed(self, endpoint: str) -> None:
+        self.errors.labels(endpoint).inc()
+
+    def exposition(self) -> bytes:
+        """The text format Prometheus scrapes."""
+        return generate_latest(self.registry)

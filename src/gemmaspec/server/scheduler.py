@@ -1,0 +1,315 @@
+"""The scheduler: one background thread owns the model and serves every request.
+
+Continuous batching over ``n_slots`` slots. Each slot has its own KV cache and its own drafter; a
+request runs as a :class:`~gemmaspec.engine.RequestState` in a slot, so the server shares the
+engine's round logic (draft → verify → stop checks → rollback) with ``gemmaspec generate``. The loop:
+
+1. admit queued requests (FIFO) into free slots and prefill them, one at a time;
+2. ask every active slot for its round's tokens (``begin_round``: the pending token + drafts);
+3. run all of them in one target forward (``model.forward_batch``; a model without it runs the
+   slots one forward at a time);
+4. finish each slot's round (``finish_round``), hand its events to the request's listener, and free
+   the slots whose requests finished or were cancelled.
+
+Requests join and leave between rounds. Because a batched forward computes every sequence's rows
+bit-identically to running it alone, each request's tokens at temperature 0 are exactly what it
+would get alone. A cancelled request (its client went away) leaves at the next round boundary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..engine import Engine, Event, RequestState, RequestStats
+from ..errors import GemmaspecError
+from ..sampling import SamplingParams
+
+log = logging.getLogger("gemmaspec.server")
+_ids = itertools.count(1)
+
+
+@dataclass
+class Job:
+    """One request as the scheduler sees it.
+
+    Attributes:
+        prompt_ids: prompt token ids (checked against the context by the caller).
+        params: sampling parameters.
+        emit: called from the scheduler thread with ``("events", [Event, ...])``, then exactly one
+            of ``("done", job)`` or ``("error", (http_status, message))``; it must be thread-safe and
+            must not block. A cancelled job gets nothing more.
+        n_max, n_min: draft length (int or "auto") and minimum proposal length for this request.
+        logprobs: None, or how many alternatives to report with each token's log-probability.
+        name: request id used in logs and ``/slots`` (``cmpl-...``).
+        endpoint: ``completions`` or ``chat`` (a metrics label).
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[tuple], None]
+    n_max: int | str = 0
+    n_min: int = 0
+    logprobs: int | None = None
+    name: str = ""
+    endpoint: str = "completions"
+    stats: RequestStats = field(default_factory=RequestStats)
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None  # first token handed to emit (perf_counter seconds)
+    t_done: float | None = None
+    cancelled: bool = False
+    slot: int | None = None
+    state: RequestState | None = None
+
+    @property
+    def ttft_ms(self) -> float:
+        """Arrival → first token, ms (includes queueing and prefill); 0 before the first token."""
+        return (self.t_first - self.t_arrival) * 1e3 if self.t_first else 0.0
+
+
+@dataclass
+class Slot:
+    index: int
+    cache: object
+    drafter: object
+    job: Job | None = None
+    served: int = 0  # requests completed in this slot
+
+
+class Scheduler:
+    """Runs requests on one engine from a background thread, ``n_slots`` at a time.
+
+    Args:
+        load: called once on the scheduler's thread; returns ``(engine, make_drafter)`` where
+            ``make_drafter(cache)`` gives a fresh drafter for a slot's cache (see
+            :func:`gemmaspec.loader.drafter_factory`). Loading on this thread keeps every model
+            operation (and the torch thread setting) on one thread.
+        n_slots: requests served concurrently (``-np``); more wait in a FIFO queue.
+        metrics: a :class:`~gemmaspec.server.metrics.Metrics` or None.
+        on_ready: called (on the scheduler thread) once loading has finished.
+        on_load_error: called with the exception if loading fails; the thread then ends.
+
+    Raises:
+        ValueError: n_slots < 1.
+    """
+
+    def __init__(self, load: Callable[[], tuple[Engine, Callable]], n_slots: int, metrics=None,
+                 on_ready: Callable[[], None] | None = None, on_load_error: Callable[[BaseException], None] | None = None):
+        if n_slots < 1:
+            raise ValueError(f"need at least one slot (got {n_slots})")
+        self._load, self.n_slots, self.metrics = load, n_slots, metrics
+        self._on_ready, self._on_load_error = on_ready, on_load_error
+        self.engine: Engine | None = None
+        self.slots: list[Slot] = []
+        self.batched = False
+        self.ready = threading.Event()
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._main, name="gemmaspec-scheduler", daemon=True)
+
+    # -- called from other threads ----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop after the current round; queued and running requests get an error."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        """Queue a request (never dropped; served in arrival order as slots free up).
+
+        Raises:
+            RuntimeError: the scheduler is stopped or not loaded.
+        """
+        if not self.ready.is_set():
+            raise RuntimeError("the model is not loaded yet")
+        with self._cond:
+            if self._stop:
+                raise RuntimeError("the server is shutting down")
+            job.name = job.name or f"req-{next(_ids)}"
+            self._queue.append(job)
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop a queued request now, or free its slot before the next round."""
+        with self._cond:
+            if job.t_done is not None:
+                return
+            job.cancelled = True
+            if job in self._queue:
+                self._queue.remove(job)
+                job.t_done = time.perf_counter()
+                job.stats.stop_reason = "cancelled"
+                log.info("%s: cancelled while queued", job.name)
+            self._cond.notify_all()
+
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def running(self) -> int:
+        with self._cond:
+            return sum(s.job is not None for s in self.slots)
+
+    def slots_info(self) -> list[dict]:
+        """One dict per slot: whether it is busy and with what (``/slots``)."""
+        out = []
+        with self._cond:
+            for s in self.slots:
+                j = s.job
+                st = j.stats if j else None
+                out.append({
+                    "id": s.index,
+                    "is_processing": j is not None,
+                    "request": j.name if j else None,
+                    "n_ctx": self.engine.ctx_size,
+                    "n_prompt_tokens": st.prompt_tokens if st else 0,
+                    "n_decoded": st.generated_tokens if st else 0,
+                    "draft_n": st.spec.drafted if st else 0,
+                    "draft_n_accepted": st.spec.accepted if st else 0,
+                    "requests_served": s.served,
+                })
+        return out
+
+    # -- the scheduler thread -----------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            engine, make_drafter = self._load()
+            self.engine = engine
+            self.slots = []
+            for i in range(self.n_slots):
+                cache = engine.model.new_cache(engine.ctx_size, engine.max_rollback)
+                self.slots.append(Slot(i, cache, make_drafter(cache)))
+            self.batched = hasattr(engine.model, "forward_batch")
+        except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits
+            if self._on_load_error:
+                self._on_load_error(exc)
+            return
+        self.ready.set()
+        if self._on_ready:
+            self._on_ready()
+        self._loop()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._queue and all(s.job is None for s in self.slots):
+                    self._cond.wait()
+                if self._stop:
+                    break
+                admit = []
+                for s in self.slots:
+                    if s.job is None and self._queue:
+                        s.job = self._queue.popleft()
+                        s.job.slot = s.index
+                        admit.append(s)
+            for s in admit:
+                self._admit(s)
+            for s in self.slots:
+                if s.job is not None and s.job.cancelled:
+                    self._end(s)
+            active = [s for s in self.slots if s.job is not None]
+            if active:
+                self._round(active)
+        for s in self.slots:
+            if s.job is not None:
+                self._fail(s, "the server is shutting down", status=503)
+        with self._cond:
+            while self._queue:
+                self._queue.popleft().emit(("error", (503, "the server is shutting down")))
+
+    def _admit(self, s: Slot) -> None:
+        job = s.job
+        try:
+            job.state = RequestState(self.engine, job.prompt_ids, job.params, s.drafter, job.n_max, job.n_min,
+                                     job.stats, cache=s.cache, logprobs=job.logprobs)
+            events = job.state.prefill()
+        except GemmaspecError as exc:
+            self._fail(s, str(exc), status=400)
+            return
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the server
+            log.exception("%s: prefill failed", job.name)
+            self._fail(s, f"internal error: {type(exc).__name__}: {exc}")
+            return
+        self._emit(job, events)
+        if job.state.done:
+            self._end(s)
+
+    def _round(self, active: list[Slot]) -> None:
+        rounds, live = [], []
+        for s in active:
+            try:
+                rounds.append(s.job.state.begin_round())
+                live.append(s)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("%s: drafting failed", s.job.name)
+                self._fail(s, f"internal error: {type(exc).__name__}: {exc}")
+        if not live:
+            return
+        model = self.engine.model
+        try:
+            if self.batched:
+                outs = model.forward_batch([(r.tokens, s.cache) for r, s in zip(rounds, live)],
+                                           [r.all_logits for r in rounds])
+            else:
+                outs = [model.forward(r.tokens, s.cache, all_logits=r.all_logits) for r, s in zip(rounds, live)]
+        except Exception as exc:  # noqa: BLE001
+            log.exception("batched forward failed")
+            for s in live:
+                self._fail(s, f"internal error: {type(exc).__name__}: {exc}")
+            return
+        for s, out in zip(live, outs):
+            job = s.job
+            try:
+                events = job.state.finish_round(out)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("%s: verification failed", job.name)
+                self._fail(s, f"internal error: {type(exc).__name__}: {exc}")
+                continue
+            self._emit(job, events)
+            if job.state.done:
+                self._end(s)
+
+    def _emit(self, job: Job, events: list[Event]) -> None:
+        if not events or job.cancelled:
+            return
+        if job.t_first is None and any(e.tokens for e in events):
+            job.t_first = time.perf_counter()
+        job.emit(("events", events))
+
+    def _end(self, s: Slot) -> None:
+        job = s.job
+        if job.cancelled and job.state is not None:
+            job.state.cancel()
+        job.t_done = time.perf_counter()
+        with self._cond:
+            s.job = None
+            s.served += 1
+        st = job.stats
+        if self.metrics is not None:
+            self.metrics.record(job)
+        log.info("%s: slot %d | prompt %d tokens, prefill %.1f tokens/s | generated %d tokens, %.1f tokens/s | "
+                 "TTFT %.0f ms | finish %s | %s", job.name, s.index, st.prompt_tokens, st.prefill_tps,
+                 st.generated_tokens, st.decode_tps, job.ttft_ms, st.stop_reason, st.spec.llama_line())
+        if not job.cancelled:
+            job.emit(("done", job))
+
+    def _fail(self, s: Slot, message: str, status: int = 500) -> None:
+        job = s.job
+        job.t_done = time.perf_counter()
+        with self._cond:
+            s.job = None
+        if self.metrics is not None:
+            self.metrics.failed(job.endpoint)
+        if not job.cancelled:
+            job.emit(("error", (status, message)))
