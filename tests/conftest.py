@@ -47,3 +47,68 @@ def run_cli(*args, stdin=None, env=None, timeout=300):
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", "gemmaspec", *args], input=stdin, capture_output=True,
                           text=True, env=e, timeout=timeout)
+
+
+class ServerProcess:
+    """A ``gemmaspec serve`` subprocess on a free port (``--port 0``); its stderr goes to ``log_path``.
+
+    Attributes: ``url`` (``http://127.0.0.1:PORT``), ``health_codes`` (every /health status seen
+    while waiting for it to load), ``proc``.
+    """
+
+    def __init__(self, tmp_dir, *args, timeout=180):
+        import re
+        import time
+
+        import httpx
+
+        self.log_path = tmp_dir / "serve.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "gemmaspec", "serve", "--port", "0", *args],
+                                     stdout=subprocess.DEVNULL, stderr=self._log, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        port = None
+        while port is None:
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", self.log_path.read_text())
+            if m:
+                port = int(m.group(1))
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"gemmaspec serve did not start: {self.log_path.read_text()}")
+            else:
+                time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{port}"
+        self.health_codes = []
+        while True:
+            try:
+                code = httpx.get(self.url + "/health", timeout=5).status_code
+                self.health_codes.append(code)
+                if code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"gemmaspec serve did not become healthy: {self.log_path.read_text()}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The default server: embedded model, ngram-simple speculation (n_max 3), 4 slots."""
+    s = ServerProcess(tmp_path_factory.mktemp("serve"), "-np", "4", "-c", "2048")
+    yield s
+    s.close()

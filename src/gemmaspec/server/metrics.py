@@ -7,7 +7,7 @@ Counters (Prometheus adds ``_total``): ``gemmaspec_requests_total{endpoint, fini
 ``spec_decode_num_accepted_tokens_total`` and ``spec_decode_num_accepted_tokens_per_pos_total{position}``
 (position 0 = the first draft token of a round). Gauges: ``gemmaspec_requests_running``,
 ``gemmaspec_requests_waiting``. Histogram: ``gemmaspec_time_to_first_token_seconds`` (arrival → first
-token, queueing included).
+token, queueing included), ``gemmaspec_forward_batch_size`` (requests sharing each decode forward).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class Metrics:
                                         ["position"], registry=r)
         self.ttft = Histogram("gemmaspec_time_to_first_token_seconds", "Arrival to first token (queueing included)",
                               buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
+        self.batch_size = Histogram("gemmaspec_forward_batch_size", "Requests sharing one target forward",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
         Gauge("gemmaspec_requests_running", "Requests in a slot", registry=r).set_function(running)
         Gauge("gemmaspec_requests_waiting", "Requests queued for a slot", registry=r).set_function(waiting)
 

@@ -257,6 +257,8 @@ class Scheduler:
         if not live:
             return
         model = self.engine.model
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(len(live) if self.batched else 1)
         try:
             if self.batched:
                 outs = model.forward_batch([(r.tokens, s.cache) for r, s in zip(rounds, live)],
