@@ -198,7 +198,12 @@ def _err(resp, status, *needles):
     ("/v1/completions", b'{"max_tokens": 4}', 400, "'prompt'"),
     ("/v1/chat/completions", b'{"max_tokens": 4}', 400, "'messages'"),
     ("/v1/chat/completions", b'{"messages": []}', 400, "'messages'"),
-    ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', 400, "'messages'"),
+    ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', 400, "'messages.0.role'"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "text"),
+    ("/v1/completions", b'{"prompt": "x", "stop": [3]}', 400, "'stop'"),
+    ("/v1/completions", b'{"prompt": ["a", "b"]}', 400, "one prompt"),
+    ("/v1/completions", b'{"prompt": [999999999]}', 400, "vocabulary"),
+    ("/v1/completions", b'{"prompt": "x", "seed": -7}', 400, "seed"),
     ("/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', 404, "gpt-4"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": -3}', 400, "max_tokens"),
@@ -228,6 +233,17 @@ def test_prompt_longer_than_context_names_both_lengths(server, client, engine):
     with pytest.raises(openai.BadRequestError, match="the prompt is"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4)
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_serve_command_errors_are_one_line(tmp_path):
+    from conftest import run_cli
+
+    for args, needle in [(("-m", str(tmp_path / "nope.gguf")), "not found"), (("-np", "0"), "-np"),
+                         (("--port", "70000"), "--port"), (("--spec-draft-n-max", "x"), "--spec-draft-n-max")]:
+        res = run_cli("serve", "--port", "0", *args, timeout=120) if "--port" not in args else run_cli("serve", *args)
+        assert res.returncode == 1, res.stderr
+        assert "Traceback" not in res.stderr
+        assert res.stderr.strip().splitlines()[-1].startswith("error: ") and needle in res.stderr.splitlines()[-1]
 
 
 # ---- disconnects ---------------------------------------------------------------------------------------

@@ -124,9 +124,9 @@ def _validate(model_cls, body: dict):
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"][:1]) or "body"
-        if err["type"] == "missing":
-            raise APIError(400, f"missing required field '{field}'") from None
         detail = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "missing":
+            raise APIError(400, f"missing required field '{detail}'") from None
         raise APIError(400, f"invalid value for '{field}' ({detail}: {err['msg']})") from None
 
 
