@@ -366,8 +366,8 @@ def load_gemma4_gguf(path: Path, reader):
     :class:`~gemmaspec.models.gemma4.Gemma4Model` or a
     :class:`~gemmaspec.models.gemma4_assistant.Gemma4Assistant`.
 
-    Quantized 2-D weights stay block-quantized (:class:`~gemmaspec.kernels.QuantizedWeight`, exact);
-    embeddings and expert tensors are dequantized to float32.
+    Quantized 2-D weights, embeddings included, stay block-quantized
+    (:class:`~gemmaspec.kernels.QuantizedWeight`, exact); expert tensors are dequantized to float32.
 
     Raises:
         ModelFileError: a tensor the architecture needs is missing, or an unusable tensor type.
@@ -396,16 +396,15 @@ def load_gemma4_gguf(path: Path, reader):
             reverse[gguf_name(n, c.num_layers)] = n
         except ValueError:
             pass
-    # the target looks embedding rows up densely; the assistant's tied head stays quantized (it is
-    # most of the drafter's memory) and is read through QuantizedWeight.rows / its matmul
-    embed_like = {"per_layer_token_embd.weight"} | ({"token_embd.weight", "output.weight"} if arch == ARCH_TARGET else set())
+    # embeddings stay block-quantized too (rows are dequantized as they are looked up; the tied head is
+    # the C kernel's matmul); only F32/F16/BF16 tensors, 1-D ones and the experts are float32
     weights = {}
     for t in reader.tensors:
         name = reverse.get(t.name)
         if name is None:
             continue
         qtype = T(t.tensor_type)
-        if len(t.shape) == 2 and t.name not in embed_like and qtype not in (T.F32, T.F16, T.BF16, T.I32):
+        if len(t.shape) == 2 and qtype not in (T.F32, T.F16, T.BF16, T.I32):
             weights[name] = convert_tensor(t)
         else:
             weights[name] = _dense(t)

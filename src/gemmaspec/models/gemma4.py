@@ -27,8 +27,16 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Gemma4Config
+from ..kernels import QuantizedWeight
 from ..kv_cache import KVCache
 from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin
+
+
+def _lookup(table, ids: torch.Tensor) -> torch.Tensor:
+    """Embedding rows ``ids`` int64 [T] of a dense float32 table or a block-quantized one (rows
+    dequantized on the fly, exactly), float32 [T, dim]. Quantized tables stay quantized in memory: the
+    E2B/E4B per-layer table alone is 262,144 x 35 x 256 values (9.4 GB as float32)."""
+    return table.rows(ids) if isinstance(table, QuantizedWeight) else table[ids]
 
 
 def rope_tables(c: Gemma4Config, pos: torch.Tensor) -> dict:
@@ -77,7 +85,7 @@ class Gemma4Model:
 
     def embed_row(self, token: int) -> torch.Tensor:
         """The scaled input embedding of one token, float32 [hidden] (what the MTP assistant reads)."""
-        return self.embed[token] * self.embed_scale
+        return _lookup(self.embed, torch.tensor([token], device=self.device))[0] * self.embed_scale
 
     def required_tensors(self) -> list[str]:
         """Names this configuration needs (absent K/V of KV-shared layers are not among them)."""
@@ -117,7 +125,7 @@ class Gemma4Model:
         """float32 [T, num_layers, ple_dim]."""
         c, w = self.config, self.w
         t, p = tokens.shape[0], c.hidden_size_per_layer_input
-        table = w["embed_tokens_per_layer.weight"][tokens] * torch.tensor(p ** 0.5, dtype=torch.float32)
+        table = _lookup(w["embed_tokens_per_layer.weight"], tokens) * torch.tensor(p ** 0.5, dtype=torch.float32)
         proj = linear(w["per_layer_model_projection.weight"], embeds) * (c.hidden_size ** -0.5)
         proj = rms_norm(proj.view(t, c.num_layers, p), w["per_layer_projection_norm.weight"], c.rms_norm_eps)
         return (proj + table.view(t, c.num_layers, p)) * (2.0 ** -0.5)
@@ -154,7 +162,7 @@ class Gemma4Model:
         pos = torch.arange(start, start + t, device=self.device)
         rope = rope_tables(c, pos)
         plans = {"sliding": cache.plan(start, t, c.sliding_window), "full": cache.plan(start, t, None)}
-        x = w["embed_tokens.weight"][tokens] * self.embed_scale
+        x = _lookup(w["embed_tokens.weight"], tokens) * self.embed_scale
         ple = self._per_layer_inputs(tokens, x) if c.hidden_size_per_layer_input else None
         shared = {}
         for i in range(c.num_layers):
