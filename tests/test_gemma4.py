@@ -138,5 +138,8 @@ def test_bad_checkpoints(tmp_path):
     _, path = _tiny("k_eq_v", tmp_path)
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFileError, match="truncated .tensor model.layers"):
+        load_gemma4_dir(path)
+    (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     with pytest.raises(ModelFileError, match="not a readable safetensors"):
         load_gemma4_dir(path)

@@ -1,9 +1,10 @@
 """Loading Hugging Face checkpoints: a directory with ``config.json`` and ``model.safetensors``
-(or shards listed in ``model.safetensors.index.json``), read with the ``safetensors`` package.
+(or shards listed in ``model.safetensors.index.json``).
 
 Text weights of multimodal checkpoints (``model.language_model.*``) and of text-only ones
 (``model.*``) load under the text model's names; vision and audio towers are skipped. Tensors are
-memory-mapped and converted to float32 one at a time.
+located from each file's safetensors header and read one at a time (or a block of rows at a time,
+for converters) by :class:`~gemmaspec.loading.stored.StoredTensor`, then widened to float32.
 """
 
 from __future__ import annotations
@@ -74,22 +75,7 @@ def load_tensors(path: Path, strip_prefix: bool = True) -> dict:
     Raises:
         ModelFileError: a shard is missing, truncated or not safetensors.
     """
-    from safetensors import SafetensorError, safe_open
-
-    out = {}
-    for shard in _shards(path):
-        if not shard.exists():
-            raise ModelFileError(f"{shard} is listed in the index but missing")
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                for name in f.keys():
-                    text = _text_name(name) if strip_prefix else name
-                    if text is not None:
-                        t = f.get_tensor(name)
-                        out[text] = t.to(torch.float32) if t.is_floating_point() else t
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ModelFileError(f"{shard} is not a readable safetensors file ({exc}); download it again") from None
-    return out
+    return {name: t.load() for name, t in lazy_tensors(path, strip_prefix).items()}
 
 
 def lazy_tensors(path: Path, strip_prefix: bool = True) -> dict:
