@@ -22,15 +22,41 @@ from gemmaspec.loader import load_drafter, load_engine
 from gemmaspec.loading.default_model import default_model_path
 from gemmaspec.sampling import SamplingParams
 
-PROMPTS = {
-    "code": "Write a Python function that parses a CSV file and returns the rows as dictionaries.\n",
-    "rewrite": "Rewrite the following list in the same order, with each line prefixed by a dash:\n"
-               + "".join(f"item number {i}: the quick brown fox jumps over the lazy dog\n" for i in range(1, 12))
-               + "Rewritten list:\n",
-    "json": 'Convert to JSON: name Alice, age 30, city Paris.\n{"name": "Alice", "age": 30, "city": "Paris"}\n'
-            "Convert to JSON: name Bob, age 25, city Rome.\n",
-    "prose": "Write a short story about a robot who learns to paint.\n",
-    "qa": "Question: Why is the sky blue?\nAnswer:",
+PARAGRAPH = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
+             "the members agreed to raise the library's funding by ten percent and to postpone the new parking lot "
+             "until the spring. The chair thanked everyone for their patience and closed the meeting at nine.")
+PROMPTS = {  # three prompts per text kind; a kind's speed is over all three (one prompt's alignment luck averages out)
+    "code": [
+        "Write a Python function that parses a CSV file and returns the rows as dictionaries.\n",
+        "Write a JavaScript function that debounces another function, with comments.\n",
+        "Write a SQL query that lists the ten customers with the highest total order value, then explain it.\n",
+    ],
+    "rewrite": [
+        "Rewrite the following list in the same order, with each line prefixed by a dash:\n"
+        + "".join(f"item number {i}: the quick brown fox jumps over the lazy dog\n" for i in range(1, 12))
+        + "Rewritten list:\n",
+        f"Repeat the following paragraph exactly.\n{PARAGRAPH}\nRepeated paragraph:\n",
+        "Correct the spelling in this text and write it out in full:\nThe comittee met on tuesday to reveiw the "
+        "budjet for the comming year. After a long discusion, the members agred to raise the librarys funding.\n"
+        "Corrected text:\n",
+    ],
+    "json": [
+        'Convert to JSON: name Alice, age 30, city Paris.\n{"name": "Alice", "age": 30, "city": "Paris"}\n'
+        "Convert to JSON: name Bob, age 25, city Rome.\n",
+        "Convert this table to a JSON array of objects:\nname | age | city\nAlice | 30 | Paris\nBob | 25 | Rome\n"
+        "Carol | 41 | Berlin\nDave | 35 | Madrid\nJSON:\n",
+        "Write a JSON object describing a book with the fields title, author, year, isbn and genres (a list).\n",
+    ],
+    "prose": [
+        "Write a short story about a robot who learns to paint.\n",
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.\n",
+        "Describe a walk through a forest in autumn.\n",
+    ],
+    "qa": [
+        "Question: Why is the sky blue?\nAnswer:",
+        "Question: What causes the seasons on Earth?\nAnswer:",
+        "Question: How does a vaccine train the immune system?\nAnswer:",
+    ],
 }
 
 
@@ -56,45 +82,78 @@ def main():
     engine.forward_costs()
     results, lines = {}, []
     llama_py = None if a.no_llama else llama_python()
-    for kind, prompt in PROMPTS.items():
-        ids = engine.tokenizer.encode(prompt)
-        results[kind] = {}
-        runs = {name: [] for name, _, _ in configs}
-        for _ in range(a.repeats):  # round-robin, so drift on a shared machine hits every config alike
-            for name, _, n_max in configs:
-                st = RequestStats()
-                for _ev in engine.generate(ids, params, drafters[name], n_max, st):
-                    pass
-                runs[name].append({"decode_tps": st.decode_tps, **st.spec.to_dict()})
-        for name, _, _ in configs:
-            rs = runs[name]
-            results[kind][name] = {"runs": rs, "decode_tps": median([r["decode_tps"] for r in rs]),
-                                   "acceptance_rate": rs[-1]["acceptance_rate"],
-                                   "mean_accepted_length": rs[-1]["mean_accepted_length"]}
-            print(kind, name, f"{results[kind][name]['decode_tps']:.1f} tok/s", file=sys.stderr)
-        if llama_py:
-            from decode import llama
+    names = [c[0] for c in configs]
+    for kind, prompts in PROMPTS.items():
+        per_prompt = []
+        for prompt in prompts:
+            ids = engine.tokenizer.encode(prompt)
+            runs = {name: [] for name in names}
+            for _ in range(a.repeats):  # round-robin, so drift on a shared machine hits every config alike
+                for name, _, n_max in configs:
+                    st = RequestStats()
+                    for _ev in engine.generate(ids, params, drafters[name], n_max, st):
+                        pass
+                    runs[name].append({"decode_tps": st.decode_tps, "decode_s": st.decode_ms / 1e3,
+                                       "decoded": st.generated_tokens - 1, **st.spec.to_dict()})
+            rec = {"prompt": prompt, "configs": runs}
+            if llama_py:
+                from decode import llama
 
-            lr = [llama(llama_py, model, prompt, a.n, a.threads)["decode_tps"] for _ in range(a.repeats)]
-            results[kind]["llama.cpp plain"] = {"decode_tps": median(lr)}
-    names = [c[0] for c in configs] + ([] if a.no_llama else ["llama.cpp plain"])
+                rec["llama.cpp plain"] = [llama(llama_py, model, prompt, a.n, a.threads) for _ in range(a.repeats)]
+            per_prompt.append(rec)
+            print(kind, {n: round(median([r["decode_tps"] for r in runs[n]]), 1) for n in names}, file=sys.stderr, flush=True)
+        results[kind] = {"prompts": per_prompt, "summary": _summary(per_prompt, names)}
+    results["mixed (all 15)"] = {"summary": _summary([p for k in PROMPTS for p in results[k]["prompts"]], names)}
+    cols = names + ([] if a.no_llama else ["llama.cpp plain"])
     lines.append(f"Machine: {machine()['cpu']}, {machine()['cores']} cores; {a.threads} threads; greedy; {a.n} tokens "
-                 f"(EOS ignored); median of {a.repeats}; model {os.path.basename(model)}. Cells: decode tokens/s "
-                 "(speedup over our plain; acceptance rate, mean accepted length).")
-    lines += ["", "| prompt | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+                 f"(EOS ignored); three prompts per kind, each run {a.repeats} times (configurations taking turns); "
+                 f"model {os.path.basename(model)}. Cells: decode tokens/s over the kind's prompts (total tokens / "
+                 "total time, each prompt's median run) (speedup over our plain; acceptance rate, mean accepted length); "
+                 "last column: auto against the best fixed n-max of that row.")
+    lines += ["", "| text kind | " + " | ".join(cols) + " | auto / best fixed |", "|---|" + "---:|" * (len(cols) + 1)]
     for kind, res in results.items():
-        base = res["plain"]["decode_tps"]
+        sm = res["summary"]
+        base = sm["plain"]["tps"]
         cells = []
-        for n in names:
-            r = res[n]
-            if n in ("plain", "llama.cpp plain") or "acceptance_rate" not in r:
-                cells.append(f"{r['decode_tps']:.1f}")
+        for n in cols:
+            r = sm.get(n)
+            if r is None:
+                cells.append("")
+            elif n in ("plain", "llama.cpp plain"):
+                cells.append(f"{r['tps']:.1f}")
             else:
-                cells.append(f"{r['decode_tps']:.1f} ({r['decode_tps'] / base:.2f}x; {r['acceptance_rate']:.2f}, "
-                             f"{r['mean_accepted_length']:.2f})")
-        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+                cells.append(f"{r['tps']:.1f} ({r['tps'] / base:.2f}x; {r['acceptance_rate']:.2f}, {r['mean_len']:.2f})")
+        best = max(sm[n]["tps"] for n in names if n.startswith("ngram n="))
+        lines.append(f"| {kind} | " + " | ".join(cells) + f" | {sm['ngram auto']['tps'] / best:.3f} |")
     write_results("speculative", {"machine": machine(), "settings": vars(a) | {"model": model}, "results": results},
                   "\n".join(lines))
+
+
+def _summary(per_prompt: list, names: list) -> dict:
+    """Per configuration: tokens/s over the prompts (sum of decoded tokens / sum of each prompt's median
+    decode time), pooled acceptance rate and mean accepted length."""
+    out = {}
+    for n in names:
+        toks = secs = drafted = accepted = steps = 0
+        for p in per_prompt:
+            rs = sorted(p["configs"][n], key=lambda r: r["decode_s"])
+            mid = rs[len(rs) // 2]
+            toks += mid["decoded"]
+            secs += mid["decode_s"]
+            drafted += mid["draft_n"]
+            accepted += mid["draft_n_accepted"]
+            steps += mid["verify_steps"]
+        out[n] = {"tps": toks / secs, "acceptance_rate": accepted / drafted if drafted else 0.0,
+                  "mean_len": 1 + accepted / steps if steps else 1.0}
+    if per_prompt and "llama.cpp plain" in per_prompt[0]:
+        toks = secs = 0.0
+        for p in per_prompt:
+            rs = sorted(p["llama.cpp plain"], key=lambda r: r["decode_tps"])
+            mid = rs[len(rs) // 2]
+            toks += mid.get("n_decoded", 127)
+            secs += mid.get("n_decoded", 127) / mid["decode_tps"]
+        out["llama.cpp plain"] = {"tps": toks / secs}
+    return out
 
 
 if __name__ == "__main__":

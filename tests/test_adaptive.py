@@ -38,3 +38,13 @@ def test_conditional_counts_only_tested_positions():
     c.update(4, 1, 0.0, COSTS[4])  # position 0 accepted, position 1 rejected, 2-3 never tested
     assert c.reached == [1.0, 1.0, 0.0, 0.0]
     assert c.acc == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_measured_round_times_override_a_stale_calibration():
+    """The calibration says long drafts are cheap, but rounds of 5+ tokens really take 10x longer
+    (the machine got busy, or the kernel's wide path is slow here): the measured times win."""
+    c = AdaptiveDraftLength(COSTS, n_cap=8)
+    for _ in range(40):
+        k = c.choose()
+        c.update(k, k, 0.0, COSTS[k] if k <= 3 else 0.2)
+    assert c.choose() == 3

@@ -4,10 +4,12 @@ Each round picks the draft length k that maximises expected tokens per second:
 
     tokens(k) = 1 + sum_{j=1..k} prod_{i=1..j} a_i        (a_i: acceptance at draft position i,
                                                             given position i-1 was accepted)
-    seconds(k) = the target's forward time over k+1 tokens (measured once per engine, see
-                 :meth:`gemmaspec.engine.Engine.forward_costs`) + the drafter's measured time per round
-                 + the round's measured overhead beyond that forward (the loop, attention over a
-                 longer context), learned online
+    seconds(k) = the round's measured time (drafter excluded) when k tokens were drafted, a decayed
+                 mean learned online; for a k not seen yet, the target's forward time over k+1 tokens
+                 measured once per engine (see :meth:`gemmaspec.engine.Engine.forward_costs`) plus
+                 what the nearest seen k took beyond its own calibrated forward (the loop, attention
+                 over a longer context, a machine busier than at calibration)
+               + the drafter's measured time per round
 
 Both are learned online within the request. Acceptance per position uses exponentially decayed
 counts shrunk towards the previous position's estimate (drafts that survived position i-1 tend to
@@ -36,7 +38,8 @@ class AdaptiveDraftLength:
         self.reached = [0.0] * self.n_cap
         self.acc = [0.0] * self.n_cap
         self.draft_time = 0.0  # decayed mean drafter seconds per round
-        self.overhead = 0.0  # decayed mean of (round time - calibrated forward time): loop, attention
+        self.round_time = [0.0] * len(self.costs)  # decayed mean round time (drafter excluded) per drafted length
+        self.round_seen = [0] * len(self.costs)
         self.last_k = 0
 
     def acceptance(self, i: int) -> float:
@@ -53,7 +56,18 @@ class AdaptiveDraftLength:
         return total
 
     def seconds(self, k: int) -> float:
-        return max(1e-6, self.costs[k] + self.overhead + (self.draft_time if k else 0.0))
+        """Expected seconds of a round drafting k tokens: measured when seen (the calibration goes
+        stale when the machine's load changes), else calibrated forward corrected by the nearest seen k."""
+        if self.round_seen[k]:
+            verify = self.round_time[k]
+        else:
+            seen = [j for j in range(len(self.costs)) if self.round_seen[j]]
+            if seen:
+                j = min(seen, key=lambda j: (abs(j - k), j))
+                verify = self.costs[k] + self.round_time[j] - self.costs[j]
+            else:
+                verify = self.costs[k]
+        return max(1e-6, verify + (self.draft_time if k else 0.0))
 
     def choose(self) -> int:
         """The draft length for the next round."""
@@ -78,5 +92,7 @@ class AdaptiveDraftLength:
         if n_drafted:
             self.draft_time = 0.7 * self.draft_time + 0.3 * draft_seconds
         if round_seconds is not None and n_drafted < len(self.costs):
-            extra = round_seconds - draft_seconds - self.costs[n_drafted]
-            self.overhead = 0.8 * self.overhead + 0.2 * extra
+            spent = round_seconds - draft_seconds
+            seen = self.round_seen[n_drafted]
+            self.round_time[n_drafted] = spent if seen == 0 else 0.7 * self.round_time[n_drafted] + 0.3 * spent
+            self.round_seen[n_drafted] = seen + 1
