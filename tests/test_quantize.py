@@ -143,6 +143,15 @@ def test_synthetic_checkpoint_report_and_types(synthetic, tmp_path):
     assert k.blocks_on_grid == k.blocks == 8 and k.exact.max_err_ulp <= 1.0
     up = by["blk.0.ffn_up.weight"]
     assert up.blocks_on_grid < up.blocks and "off grid" in up.note
+    # a fallback tensor reports the error of what was stored (Q8_0 here: the same as the Q8_0 figure),
+    # not of the rejected grid fit
+    assert up.stored.rel_err == pytest.approx(up.q8_0.rel_err) and up.stored.rel_err < up.exact.rel_err
+    assert "fallback: not on a grid" in rep.table()
+    # totals compare like with like: Q8_0 and amax/8 over the exact-Q4_0 tensors only
+    t = rep.totals()
+    pair = (by["blk.0.attn_q.weight"], by["blk.0.attn_k.weight"])
+    want = np.sqrt(sum(x.q8_0.sq_err for x in pair) / sum(x.q8_0.sq_src for x in pair))
+    assert t["q8_0"]["rel_err"] == pytest.approx(want)
     tot = rep.totals()
     assert tot["tensors_q4_0"] == 2 and tot["tensors_fallback"] == 2
     assert tot["bytes"]["q8_0"] - tot["bytes"]["exact_q4_0"] == 136 * 16
@@ -212,7 +221,18 @@ def test_bad_inputs_leave_nothing_behind(synthetic, tmp_path):
         quantize_exact(tmp_path / "inf.gguf", tmp_path / "o.gguf")
     with pytest.raises(OffGridError):
         quantize_exact(path, tmp_path / "o.gguf", strict=True)
+    with pytest.raises(InputError, match="does not exist"):
+        quantize_exact(path, tmp_path / "no" / "such" / "o.gguf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "inf.gguf", "junk.gguf", "src.gguf"]
+
+
+def test_an_already_quantized_input_is_copied_and_said_so(tmp_path):
+    rng = np.random.default_rng(5)
+    q4 = gguf.quants.quantize(rng.standard_normal((8, 64)).astype(np.float32), T.Q4_0)
+    _write_gguf(tmp_path / "q.gguf", {"blk.0.ffn_up.weight": (q4, T.Q4_0)})
+    rep = quantize_exact(tmp_path / "q.gguf", tmp_path / "o.gguf")
+    assert rep.totals()["tensors_q4_0"] == 0 and "no BF16/F16/F32 weight to pack" in rep.table()
+    assert verify(tmp_path / "o.gguf", tmp_path / "q.gguf").ok
 
 
 def _snap(model, seed):

@@ -204,7 +204,9 @@ def _cmd_quantize(args) -> int:
     print(rep.table(per_tensor=args.verbose or len(rep.tensors) <= 60), file=sys.stderr)
     if args.report:
         write_report(rep, args.report)
-    print(f"wrote {args.out}: {rep.output_bytes / 1e6:.1f} MB in {rep.seconds:.1f} s "
+    from .quant.quantize import _size
+
+    print(f"wrote {args.out}: {_size(rep.output_bytes)} in {rep.seconds:.2f} s "
           f"({rep.source_bytes / 1e6 / max(rep.seconds, 1e-9):.0f} MB/s of source)", file=sys.stderr)
     return 0
 

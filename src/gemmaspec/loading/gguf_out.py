@@ -41,6 +41,8 @@ class StreamingGGUF:
             raise InputError(f"{self.out} exists; pass --force to overwrite it")
         if self.out.is_dir():
             raise InputError(f"{self.out} is a directory; give a file name for the GGUF output")
+        if not self.out.parent.is_dir():
+            raise InputError(f"the folder {self.out.parent} does not exist; create it or write OUT elsewhere")
         self.arch, self.alignment = arch, alignment
         self.tmp = self.out.with_name(f".{self.out.name}.partial")
         self.data_path = self.out.with_name(f".{self.out.name}.data.partial")
@@ -49,7 +51,6 @@ class StreamingGGUF:
         self._current = None
 
     def __enter__(self):
-        self.out.parent.mkdir(parents=True, exist_ok=True)
         self.data = open(self.data_path, "w+b")
         return self
 

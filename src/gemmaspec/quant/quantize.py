@@ -84,13 +84,15 @@ class TensorReport:
     exact: ErrorFigures = field(default_factory=ErrorFigures)
     q8_0: ErrorFigures = field(default_factory=ErrorFigures)
     q4_0_amax: ErrorFigures = field(default_factory=ErrorFigures)
+    stored: ErrorFigures = field(default_factory=ErrorFigures)  # a fallback tensor as written (sampled rows)
     compared_fraction: float = 0.0
     note: str = ""
 
     def to_json(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("exact", "q8_0", "q4_0_amax")}
+        d = {k: v for k, v in asdict(self).items() if k not in ("exact", "q8_0", "q4_0_amax", "stored")}
         if self.blocks:
-            d.update(exact=self.exact.to_json(), q8_0=self.q8_0.to_json(), q4_0_amax=self.q4_0_amax.to_json())
+            d.update(best_grid_fit=self.exact.to_json(), q8_0=self.q8_0.to_json(), q4_0_amax=self.q4_0_amax.to_json())
+            d["as_stored"] = self.exact.to_json() if self.type == "Q4_0" else self.stored.to_json()
         return d
 
 
@@ -109,25 +111,33 @@ class QuantizeReport:
     notes: list[str] = field(default_factory=list)
 
     def totals(self) -> dict:
-        packed = [t for t in self.tensors if t.blocks]
-        ex, q8, q4 = ErrorFigures(), ErrorFigures(), ErrorFigures()
+        """Totals. Error figures compare like with like: exact Q4_0, Q8_0 and amax/8 Q4_0 over the
+        tensors written as exact Q4_0; ``whole_file_rel_err`` over every weight the packer looked at,
+        as stored (fallback tensors at their fallback type's error, measured like Q8_0's)."""
+        looked = [t for t in self.tensors if t.blocks]
+        packed = [t for t in looked if t.type == "Q4_0"]
+        ex, q8, q4, whole = ErrorFigures(), ErrorFigures(), ErrorFigures(), ErrorFigures()
         for t in packed:
-            if t.type == "Q4_0":
-                ex.add(t.exact)
+            ex.add(t.exact)
             q8.add(t.q8_0)
             q4.add(t.q4_0_amax)
-        q4_blocks = sum(t.blocks for t in self.tensors if t.type == "Q4_0")
+            whole.add(t.exact)
+        for t in looked:
+            if t.type != "Q4_0":
+                whole.add(t.stored)
+        q4_blocks = sum(t.blocks for t in packed)
         return {
             "tensors": len(self.tensors),
-            "tensors_q4_0": sum(t.type == "Q4_0" for t in self.tensors),
-            "tensors_fallback": sum(bool(t.blocks) and t.type != "Q4_0" for t in self.tensors),
-            "blocks": sum(t.blocks for t in packed),
-            "blocks_on_grid": sum(t.blocks_on_grid for t in packed),
-            "values": sum(t.values for t in packed),
-            "values_exact": sum(t.values_exact for t in packed),
+            "tensors_q4_0": len(packed),
+            "tensors_fallback": len(looked) - len(packed),
+            "blocks": sum(t.blocks for t in looked),
+            "blocks_on_grid": sum(t.blocks_on_grid for t in looked),
+            "values": sum(t.values for t in looked),
+            "values_exact": sum(t.values_exact for t in looked),
             "exact_q4_0": ex.to_json(),
             "q8_0": q8.to_json(),
             "q4_0_amax": q4.to_json(),
+            "whole_file_rel_err": whole.rel_err,
             # the same file with every exact-Q4_0 tensor in Q8_0 instead: 34 instead of 18 bytes per block
             "bytes": {"exact_q4_0": self.output_bytes, "q8_0": self.output_bytes + q4_blocks * (34 - 18),
                       "source": self.source_bytes},
@@ -149,22 +159,38 @@ class QuantizeReport:
                 if not t.blocks:
                     lines.append(f"{t.name[:44]:<44} {t.type:<5} {'(' + (t.note or 'kept') + ')':>15}")
                     continue
-                lines.append(f"{t.name[:44]:<44} {t.type:<5} {t.blocks_on_grid:>7}/{t.blocks:<7} "
-                             f"{t.values_exact / t.values:>9.1%} {t.exact.max_err_ulp:>7.2f} {t.exact.rel_err:>9.2e} "
-                             f"{t.q8_0.rel_err:>9.2e} {t.q4_0_amax.rel_err:>9.2e}")
+                if t.type == "Q4_0":
+                    lines.append(f"{t.name[:44]:<44} {t.type:<5} {t.blocks_on_grid:>7}/{t.blocks:<7} "
+                                 f"{t.values_exact / t.values:>9.1%} {t.exact.max_err_ulp:>7.2f} {t.exact.rel_err:>9.2e} "
+                                 f"{t.q8_0.rel_err:>9.2e} {t.q4_0_amax.rel_err:>9.2e}")
+                else:  # fallback: the error of what was stored, not of the rejected grid fit
+                    lines.append(f"{t.name[:44]:<44} {t.type:<5} {t.blocks_on_grid:>7}/{t.blocks:<7} "
+                                 f"{'-':>9} {t.stored.max_err_ulp:>7.2f} {t.stored.rel_err:>9.2e} "
+                                 f"{t.q8_0.rel_err:>9.2e} {t.q4_0_amax.rel_err:>9.2e}  (fallback: not on a grid)")
         s = self.totals()
         b = s["bytes"]
-        lines.append(
-            f"total: {s['tensors_q4_0']} tensors exact Q4_0, {s['tensors_fallback']} in the fallback ({self.fallback}); "
-            f"{s['blocks_on_grid']}/{s['blocks']} blocks on the grid, {s['values_exact'] / max(1, s['values']):.1%} "
-            f"of values bit-exact, worst {s['exact_q4_0']['max_err_ulp']:.2f} ulp")
-        ex, q8, q4 = s["exact_q4_0"]["rel_err"], s["q8_0"]["rel_err"], s["q4_0_amax"]["rel_err"]
-        ratio = f" ({q8 / ex:.1f}x closer than Q8_0)" if ex > 0 else (" (Q8_0 is not)" if q8 > 0 else "")
-        lines.append(f"relative error vs source: exact Q4_0 {ex:.2e}{ratio}, Q8_0 {q8:.2e}, amax/8 Q4_0 {q4:.2e}")
-        lines.append(f"size: exact Q4_0 {b['exact_q4_0'] / 1e6:.1f} MB, Q8_0 {b['q8_0'] / 1e6:.1f} MB "
-                     f"({1 - b['exact_q4_0'] / b['q8_0']:.0%} smaller), source {b['source'] / 1e6:.1f} MB")
+        if not s["blocks"]:
+            lines.append("total: no BF16/F16/F32 weight to pack (every tensor was copied or kept as it was); "
+                         "the input is not an unquantized checkpoint")
+        else:
+            lines.append(
+                f"total: {s['tensors_q4_0']} tensors exact Q4_0, {s['tensors_fallback']} in the fallback ({self.fallback}); "
+                f"{s['blocks_on_grid']}/{s['blocks']} blocks on the grid, {s['values_exact'] / max(1, s['values']):.1%} "
+                f"of values bit-exact, worst {s['exact_q4_0']['max_err_ulp']:.2f} ulp in the Q4_0 tensors")
+        if s["tensors_q4_0"]:
+            ex, q8, q4 = s["exact_q4_0"]["rel_err"], s["q8_0"]["rel_err"], s["q4_0_amax"]["rel_err"]
+            ratio = f" ({q8 / ex:.1f}x closer than Q8_0)" if ex > 0 else (" (Q8_0 is not)" if q8 > 0 else "")
+            lines.append(f"relative error vs source over the exact-Q4_0 tensors: exact Q4_0 {ex:.2e}{ratio}, "
+                         f"Q8_0 {q8:.2e}, amax/8 Q4_0 {q4:.2e}; whole file as written {s['whole_file_rel_err']:.2e}")
+        lines.append(f"size: exact Q4_0 {_size(b['exact_q4_0'])}, Q8_0 {_size(b['q8_0'])} "
+                     f"({1 - b['exact_q4_0'] / b['q8_0']:.0%} smaller), source {_size(b['source'])}")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    """Bytes for people: MB (10^6) with enough digits for small files."""
+    return f"{n / 1e6:.1f} MB" if n >= 10e6 else f"{n / 1e6:.3f} MB" if n >= 10e3 else f"{n} bytes"
 
 
 # ---- sources -------------------------------------------------------------------------------------
@@ -257,6 +283,22 @@ def _compare(rows: np.ndarray, mantissa_bits: int, q8: ErrorFigures, q4: ErrorFi
         fig.add(ErrorFigures(float((err ** 2).sum()), float((src ** 2).sum()), float((np.abs(err) / ulp).max())))
 
 
+def _stored_error(rows: np.ndarray, qtype: T, mantissa_bits: int, fig: ErrorFigures) -> None:
+    """Add the error of ``rows`` float32 [R, K] as stored in ``qtype`` (gguf.quants)."""
+    from ..loading.gguf_out import encode_rows
+
+    src = rows.astype(np.float64)
+    enc = np.ascontiguousarray(encode_rows(rows, qtype))
+    if qtype == T.F32:
+        deq = enc
+    elif qtype == T.F16:
+        deq = enc.astype(np.float32)
+    else:
+        deq = gguf.quants.dequantize(enc.view(np.uint8).reshape(rows.shape[0], -1), qtype)
+    err = deq.astype(np.float64).reshape(src.shape) - src
+    fig.add(ErrorFigures(float((err ** 2).sum()), float((src ** 2).sum()), float((np.abs(err) / _ulp(rows, mantissa_bits)).max())))
+
+
 class OffGridError(InputError):
     """``--strict``: a block of a 2-D weight fits no 4-bit grid."""
 
@@ -306,6 +348,11 @@ def _pack_tensor(s: StreamingGGUF, name: str, t: StoredTensor, rep: TensorReport
     rep.type = ftype.name
     rep.note = f"off grid at row {off_grid[0]} block {off_grid[1]}"
     rep.bytes = stream_tensor(s, name, t, ftype)
+    for r0 in range(0, t.rows, step):  # the error of what was stored, on the compared rows
+        rows = t.read_rows(r0, min(t.rows, r0 + step))
+        sample = rows[(np.arange(r0, r0 + rows.shape[0]) % stride) == 0]
+        if sample.size:
+            _stored_error(sample, ftype, mbits, rep.stored)
 
 
 def quantize_exact(src_path: str | os.PathLike, out: str | os.PathLike, fallback: str = "q8_0", strict: bool = False,
