@@ -287,6 +287,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         messages = []
         for i, m in enumerate(req.messages):
             content = m.content
+            if m.role not in ("system", "developer", "user", "assistant"):
+                raise APIError(400, f"messages[{i}].role must be system, developer, user or assistant (got {m.role!r})")
+            if content is None and m.role != "assistant":
+                raise APIError(400, f"messages[{i}].content is missing: a {m.role} message needs text")
             if isinstance(content, list):
                 parts = []
                 for part in content:
@@ -294,7 +298,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                         raise APIError(400, f"messages[{i}]: only text content parts are supported")
                     parts.append(part["text"])
                 content = "".join(parts)
-            messages.append({"role": m.role, "content": content or ""})
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
         try:
             ids = e.tokenizer.encode_chat(messages)
         except GemmaspecError as exc:
