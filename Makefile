@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= Write a short story about a robot who learns to paint.
-ARGS   ?= -n 128 --chat --spec-type ngram-simple
+ARGS   ?= -n 128 --spec-type ngram-simple
 
 .PHONY: setup run test test-slow bench clean
 

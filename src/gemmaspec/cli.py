@@ -103,7 +103,7 @@ def _cmd_generate(args) -> int:
 
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-                            max_tokens=args.n_predict, seed=args.seed, stop=tuple(args.stop),
+                            max_tokens=args.n_predict, seed=args.seed, stop=tuple(s for s in args.stop if s),
                             ignore_eos=args.ignore_eos).validate()
     n_max = _parse_n_max(args.spec_draft_n_max)
     if args.spec_draft_n_min < 0:
