@@ -61,3 +61,36 @@ def test_draft_mtp_refuses_gemma3_target(tiny_dirs, model_path):
     res = run_cli("generate", "-m", str(model_path), "-md", str(tiny_dirs["assistant"]), "--spec-type", "draft-mtp",
                   "-p", "x")
     assert res.returncode == 1 and "needs a Gemma 4 target" in res.stderr
+
+
+def test_server_serves_gemma4_with_draft_mtp(tiny_dirs, tmp_path):
+    """`gemmaspec serve` takes the same draft-mtp flags: two concurrent requests (Gemma 4 slots take
+    turns, one forward each) each get exactly the CLI's greedy text, and the metrics count the drafts."""
+    import concurrent.futures
+
+    import httpx
+
+    from conftest import ServerProcess
+
+    prompts = ["one two three four", "Hello there"]
+    want = [run_cli("generate", "-m", str(tiny_dirs["target"]), "-p", p, "-n", "12", "--temp", "0",
+                    "--ignore-eos").stdout[:-1] for p in prompts]  # the CLI ends its output with a newline
+    srv = ServerProcess(tmp_path, "-m", str(tiny_dirs["target"]), "-md", str(tiny_dirs["assistant"]),
+                        "--spec-type", "draft-mtp", "--spec-draft-n-max", "2", "-np", "2", "-c", "256")
+    try:
+        def ask(p):
+            r = httpx.post(srv.url + "/v1/completions", timeout=120,
+                           json={"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(ask, prompts))
+        assert [g["choices"][0]["text"] for g in got] == want
+        assert all(g["timings"]["draft_n"] > 0 for g in got)
+        metrics = httpx.get(srv.url + "/metrics").text
+        drafted = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith("spec_decode_num_draft_tokens_total"))
+        assert drafted == sum(g["timings"]["draft_n"] for g in got)
+    finally:
+        srv.close()
