@@ -36,9 +36,9 @@ from gguf import GGMLQuantizationType as T
 
 from ..errors import InputError, ModelFileError
 from ..loading.gemma4_gguf import keep_f32, stream_tensor
-from ..loading.gguf_out import StreamingGGUF
+from ..loading.gguf_out import StreamingGGUF, encode_rows
 from ..loading.stored import FLOAT_MANTISSA, StoredTensor
-from .q4_0_exact import QK, pack_exact
+from .q4_0_exact import QK, _ulp, pack_exact
 
 FALLBACKS = {"q8_0": T.Q8_0, "f16": T.F16, "bf16": T.BF16, "f32": T.F32}
 CHUNK_VALUES = 4 << 20  # values per block of rows read at once
@@ -209,10 +209,6 @@ class Source:
     notes: list[str] = field(default_factory=list)
 
 
-def _gguf_type_name(t: gguf.GGMLQuantizationType) -> str:
-    return t.name
-
-
 def open_source(path: str | os.PathLike) -> Source:
     """A GGUF file or a Hugging Face Gemma 4 directory as a :class:`Source`.
 
@@ -267,12 +263,6 @@ def _packable(name: str, t) -> bool:
         and not keep_f32(name, t.shape)
 
 
-def _ulp(v: np.ndarray, mantissa_bits: int) -> np.ndarray:
-    from .q4_0_exact import _ulp as ulp
-
-    return ulp(v, mantissa_bits)
-
-
 def _compare(rows: np.ndarray, mantissa_bits: int, q8: ErrorFigures, q4: ErrorFigures) -> None:
     """Add what llama.cpp's Q8_0 and amax/8 Q4_0 (``gguf.quants``) make of ``rows`` float32 [R, K]."""
     src = rows.astype(np.float64)
@@ -283,15 +273,10 @@ def _compare(rows: np.ndarray, mantissa_bits: int, q8: ErrorFigures, q4: ErrorFi
         fig.add(ErrorFigures(float((err ** 2).sum()), float((src ** 2).sum()), float((np.abs(err) / ulp).max())))
 
 
-def _stored_error(rows: np.ndarray, qtype: T, mantissa_bits: int, fig: ErrorFigures) -> None:
-    """Add the error of ``rows`` float32 [R, K] as stored in ``qtype`` (gguf.quants)."""
-    from ..loading.gguf_out import encode_rows
-
+def _stored_error(rows: np.ndarray, enc: np.ndarray, qtype: T, mantissa_bits: int, fig: ErrorFigures) -> None:
+    """Add the error of ``rows`` float32 [R, K] as stored: ``enc``, their ``qtype`` encoding (row order)."""
     src = rows.astype(np.float64)
-    enc = np.ascontiguousarray(encode_rows(rows, qtype))
-    if qtype == T.F32:
-        deq = enc
-    elif qtype == T.F16:
+    if qtype in (T.F32, T.F16):
         deq = enc.astype(np.float32)
     else:
         deq = gguf.quants.dequantize(enc.view(np.uint8).reshape(rows.shape[0], -1), qtype)
@@ -347,12 +332,15 @@ def _pack_tensor(s: StreamingGGUF, name: str, t: StoredTensor, rep: TensorReport
     ftype = fallback if t.row_len % 32 == 0 or fallback != T.Q8_0 else T.F16
     rep.type = ftype.name
     rep.note = f"off grid at row {off_grid[0]} block {off_grid[1]}"
-    rep.bytes = stream_tensor(s, name, t, ftype)
-    for r0 in range(0, t.rows, step):  # the error of what was stored, on the compared rows
+    s.begin(name, t.shape, ftype)
+    for r0 in range(0, t.rows, step):  # written again in the fallback type; its error on the compared rows
         rows = t.read_rows(r0, min(t.rows, r0 + step))
-        sample = rows[(np.arange(r0, r0 + rows.shape[0]) % stride) == 0]
-        if sample.size:
-            _stored_error(sample, ftype, mbits, rep.stored)
+        enc = np.ascontiguousarray(encode_rows(rows, ftype))
+        s.write(enc)
+        keep = (np.arange(r0, r0 + rows.shape[0]) % stride) == 0
+        if keep.any():
+            _stored_error(rows[keep], enc[keep], ftype, mbits, rep.stored)
+    rep.bytes = s.end()
 
 
 def quantize_exact(src_path: str | os.PathLike, out: str | os.PathLike, fallback: str = "q8_0", strict: bool = False,
@@ -384,7 +372,7 @@ def quantize_exact(src_path: str | os.PathLike, out: str | os.PathLike, fallback
     t0 = time.perf_counter()
     src = open_source(src_path)
     rep = QuantizeReport(str(src_path), str(out), fallback, tolerance_ulp, source_bytes=src.nbytes, notes=list(src.notes))
-    total = sum(t.nbytes if isinstance(t, StoredTensor) else t.nbytes for _, t in src.tensors)
+    total = sum(t.nbytes for _, t in src.tensors)
     show = sys.stderr.isatty() if progress is None else progress
     from tqdm import tqdm
 
@@ -507,8 +495,6 @@ def verify(out: str | os.PathLike, against: str | os.PathLike, tolerance_ulp: fl
                                         f"(bound {tolerance_ulp})")
                     break
             else:
-                from ..loading.gguf_out import encode_rows
-
                 if not np.array_equal(np.ascontiguousarray(encode_rows(want, qtype)).view(np.uint8).reshape(r1 - r0, -1), raw):
                     res.failures.append(f"{name}: {qtype.name} data is not the source's {qtype.name} encoding (rows {r0}..{r1 - 1})")
                     break
