@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gemmaspec.errors import ModelFileError, UnsupportedArchitectureError
-from gemmaspec.loading.safetensors import load_gemma4_dir
+from gemmaspec.loading import load_checkpoint
 
 pytestmark = pytest.mark.reference
 
@@ -52,7 +52,7 @@ def _ids(n, seed=0):
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_logits_match_reference(kind, tmp_path):
     ref, path = _tiny(kind, tmp_path)
-    _, ours = load_gemma4_dir(path)
+    ours = load_checkpoint(path).model
     ids = _ids(40)  # crosses the 16-token sliding window
     with torch.no_grad():
         want = ref(ids[None]).logits[0]
@@ -66,7 +66,7 @@ def test_logits_match_reference(kind, tmp_path):
 def test_incremental_decode_matches_full_forward(kind, tmp_path):
     """Chunked prefill then single-token steps through the ring cache equal one full reference pass."""
     ref, path = _tiny(kind, tmp_path)
-    _, ours = load_gemma4_dir(path)
+    ours = load_checkpoint(path).model
     ids = _ids(50, seed=1)
     with torch.no_grad():
         want = ref(ids[None]).logits[0]
@@ -80,7 +80,7 @@ def test_incremental_decode_matches_full_forward(kind, tmp_path):
 
 def test_greedy_generation_matches_reference(tmp_path):
     ref, path = _tiny("e2b_like", tmp_path)
-    _, ours = load_gemma4_dir(path)
+    ours = load_checkpoint(path).model
     ids = _ids(12, seed=2).tolist()
     with torch.no_grad():
         want = ref.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False, min_new_tokens=30,
@@ -108,7 +108,7 @@ def test_multimodal_prefix_and_extra_shared_kv_tensors(tmp_path):
     save_file(renamed, str(path / "model.safetensors"))
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({"model_type": "gemma4", "text_config": cfg}))
-    _, ours = load_gemma4_dir(path)
+    ours = load_checkpoint(path).model
     ids = _ids(20)
     with torch.no_grad():
         want = ref(ids[None]).logits[0, -1]
@@ -124,22 +124,25 @@ def test_k_eq_v_never_runs_without_v(tmp_path):
     tensors = load_file(str(path / "model.safetensors"))
     del tensors["model.layers.2.self_attn.v_proj.weight"]
     save_file(tensors, str(path / "model.safetensors"))
-    with pytest.raises(ModelFileError, match="layers.2.self_attn.v_proj.weight"):
-        load_gemma4_dir(path)
+    with pytest.raises(ModelFileError, match=r"blk\.2\.attn_v\.weight"):
+        load_checkpoint(path)
 
 
 def test_bad_checkpoints(tmp_path):
-    with pytest.raises(ModelFileError, match="not a checkpoint directory"):
-        load_gemma4_dir(tmp_path / "nope")
+    with pytest.raises(ModelFileError, match="not found"):
+        load_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelFileError, match="has no config.json"):
+        load_checkpoint(tmp_path / "empty")
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(UnsupportedArchitectureError, match="llama"):
-        load_gemma4_dir(tmp_path / "d")
+        load_checkpoint(tmp_path / "d")
     _, path = _tiny("k_eq_v", tmp_path)
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelFileError, match="truncated .tensor model.layers"):
-        load_gemma4_dir(path)
+        load_checkpoint(path)
     (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     with pytest.raises(ModelFileError, match="not a readable safetensors"):
-        load_gemma4_dir(path)
+        load_checkpoint(path)

@@ -11,9 +11,9 @@ from gguf import GGMLQuantizationType as T
 
 from conftest import run_cli
 from gemmaspec.errors import InputError
-from gemmaspec.loading.gemma4_gguf import convert
+from gemmaspec.loading.convert import convert
 from gemmaspec.loading.gguf import load_gguf
-from gemmaspec.loading.safetensors import load_gemma4_assistant_dir
+from gemmaspec.loading import load_checkpoint
 from gemmaspec.speculative.drafters import DraftContext, MTPDrafter
 from test_gemma4 import CONFIGS, _ids, _tiny
 
@@ -138,7 +138,7 @@ def test_assistant_gguf_drafts_like_the_checkpoint(clustered, tmp_path, tok):
     from tiny_gemma4 import TARGET, randomize, tiny_assistant
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    from gemmaspec.loading.safetensors import load_gemma4_dir
+    from gemmaspec.loading import load_checkpoint
 
     randomize(Gemma4ForCausalLM(Gemma4TextConfig(**TARGET)).eval(), 1).save_pretrained(tmp_path / "t")
     tiny_assistant(clustered).save_pretrained(tmp_path / "a")
@@ -147,10 +147,10 @@ def test_assistant_gguf_drafts_like_the_checkpoint(clustered, tmp_path, tok):
     info = run_cli("inspect", str(tmp_path / "a.gguf"))
     assert info.returncode == 0, info.stderr
     assert ("clustered head: yes" if clustered else "clustered head: no") in info.stdout
-    from_dir = load_gemma4_assistant_dir(tmp_path / "a")
+    from_dir = load_checkpoint(tmp_path / "a").model
     from_gguf = load_gguf(tmp_path / "a.gguf", use_cache=False).model
     assert from_gguf.has_clustered_head == clustered
-    _, t = load_gemma4_dir(tmp_path / "t")
+    t = load_checkpoint(tmp_path / "t").model
     ids = _ids(30).tolist()
     cache = t.new_cache(64)
     out = t.forward(torch.tensor(ids), cache)

@@ -7,7 +7,7 @@ import torch
 
 from gemmaspec.engine import Engine, RequestStats
 from gemmaspec.errors import InputError
-from gemmaspec.loading.safetensors import load_gemma4_assistant_dir, load_gemma4_dir
+from gemmaspec.loading import load_checkpoint
 from gemmaspec.sampling import SamplingParams
 from gemmaspec.speculative.drafters import DraftContext, MTPDrafter, check_mtp_pair
 
@@ -31,8 +31,8 @@ def pair(tmp_path_factory):
         d = root / f"assistant_{clustered}"
         asst.save_pretrained(d)
         out.append(asst)
-    _, ours = load_gemma4_dir(root / "target")
-    out += [ours, load_gemma4_assistant_dir(root / "assistant_False"), load_gemma4_assistant_dir(root / "assistant_True")]
+    ours = load_checkpoint(root / "target").model
+    out += [ours, load_checkpoint(root / "assistant_False").model, load_checkpoint(root / "assistant_True").model]
     return out
 
 
@@ -114,7 +114,7 @@ def test_mismatched_pair_refused(pair, tmp_path):
     cfg = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**ASSISTANT_TEXT), backbone_hidden_size=48)
     Gemma4AssistantForCausalLM(cfg).save_pretrained(tmp_path / "wrong")
     with pytest.raises(InputError, match="width 48"):
-        check_mtp_pair(ours_t, load_gemma4_assistant_dir(tmp_path / "wrong"))
+        check_mtp_pair(ours_t, load_checkpoint(tmp_path / "wrong").model)
 
 
 def test_truncated_assistant_is_a_clear_error(pair, tmp_path):
@@ -125,31 +125,40 @@ def test_truncated_assistant_is_a_clear_error(pair, tmp_path):
     f = tmp_path / "a" / "model.safetensors"
     f.write_bytes(f.read_bytes()[:1000])
     with pytest.raises(ModelFileError, match="not a readable safetensors"):
-        load_gemma4_assistant_dir(tmp_path / "a")
-    (tmp_path / "a" / "config.json").write_text(json.dumps({"model_type": "gemma4_text"}))
-    from gemmaspec.errors import UnsupportedArchitectureError
+        load_checkpoint(tmp_path / "a").model
 
-    with pytest.raises(UnsupportedArchitectureError, match="not a Gemma 4 assistant"):
-        load_gemma4_assistant_dir(tmp_path / "a")
+
+def test_roles_are_checked(pair, tmp_path):
+    """A target given where an assistant is wanted (or the reverse) is refused by role, naming the fix."""
+    from gemmaspec.errors import InputError
+
+    ref_t, ref_a, _, _, _, _ = pair
+    ref_t.save_pretrained(tmp_path / "t")
+    ref_a.save_pretrained(tmp_path / "a")
+    with pytest.raises(InputError, match="is a target model .*not an assistant"):
+        load_checkpoint(tmp_path / "t", role="assistant")
+    with pytest.raises(InputError, match="is an assistant .*pass it as -md"):
+        load_checkpoint(tmp_path / "a", role="target")
+    assert load_checkpoint(tmp_path / "a", role="assistant").arch.role == "assistant"
 
 
 def test_qat_mismatch_warning(pair):
     from gemmaspec.quant.qat import looks_qat
-    from gemmaspec.speculative.drafters import qat_mismatch_warning
+    from gemmaspec.loader import qat_mismatch_warning
 
     _, _, _, ours_t, ours_a, _ = pair
-    assert not looks_qat(ours_t.w["layers.0.self_attn.q_proj.weight"])
+    assert not looks_qat(ours_t.weights["blk.0.attn_q.weight"])
     assert qat_mismatch_warning(ours_t, ours_a) is None
     # snap the assistant's weights to a 4-bit grid per 32-value block, as QAT checkpoints are
-    w = ours_a.w["model.layers.0.self_attn.q_proj.weight"]
+    w = ours_a.weights["blk.0.attn_q.weight"]
     blocks = w.reshape(-1, 32)
     step = blocks.abs().amax(1, keepdim=True) / 8
     snapped = (torch.clamp(torch.round(blocks / step), -8, 7) * step).reshape(w.shape)
-    qat = dict(ours_a.w)
-    qat["model.layers.0.self_attn.q_proj.weight"] = snapped
+    qat = dict(ours_a.weights)
+    qat["blk.0.attn_q.weight"] = snapped
     from gemmaspec.models.gemma4_assistant import Gemma4Assistant
 
-    qat_asst = Gemma4Assistant(ours_a.config, ours_a.backbone_hidden_size, qat)
+    qat_asst = Gemma4Assistant(ours_a.full_config, qat)
     assert looks_qat(snapped)
     msg = qat_mismatch_warning(ours_t, qat_asst)
     assert msg and "non-QAT" in msg and "QAT (4-bit grid)" in msg
@@ -166,7 +175,7 @@ def test_unified_assistant_loads_and_drafts_like_reference(pair, tmp_path):
     ref_a = Gemma4UnifiedAssistantForCausalLM(cfg).eval()
     _randomize(ref_a, 4)
     ref_a.save_pretrained(tmp_path / "u")
-    ours_a = load_gemma4_assistant_dir(tmp_path / "u")
+    ours_a = load_checkpoint(tmp_path / "u").model
     ids = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     cache = ours_t.new_cache(64)
     out = ours_t.forward(torch.tensor(ids), cache)
@@ -182,10 +191,10 @@ def test_assistant_on_every_target_family(kind, tmp_path):
     from test_gemma4 import _tiny
 
     ref_t, path = _tiny(kind, tmp_path)
-    _, ours_t = load_gemma4_dir(path)
+    ours_t = load_checkpoint(path).model
     asst = tiny_assistant(seed=11)
     asst.save_pretrained(tmp_path / "a")
-    ours_a = load_gemma4_assistant_dir(tmp_path / "a")
+    ours_a = load_checkpoint(tmp_path / "a").model
     ids = torch.randint(3, VOCAB, (30,), generator=torch.Generator().manual_seed(12)).tolist()
     cache = ours_t.new_cache(128)
     out = ours_t.forward(torch.tensor(ids), cache)

@@ -38,7 +38,7 @@ def test_roundtrip(tokenizer):
 
 
 def test_incremental_decoder_never_splits_characters(tokenizer):
-    from gemmaspec.tokenizer import IncrementalDecoder
+    from gemmaspec.streaming import IncrementalDecoder
 
     text = "emoji 😀🎉👩‍💻 日本語 café"
     ids = tokenizer.encode(text, add_bos=False)

@@ -144,49 +144,14 @@ def _parse_n_max(value: str):
 
 
 def _cmd_inspect(args) -> int:
-    from collections import Counter
-    import dataclasses
+    from .loading.inspect import describe_gguf
 
-    from .loading.gguf import architecture_of, config_from_reader, open_reader
-    from pathlib import Path
-
-    path = Path(args.model)
-    reader = open_reader(path)
-    arch = architecture_of(reader)
-    print(f"file: {path} ({path.stat().st_size / 1e6:.1f} MB)")
-    print(f"architecture: {arch}")
-    name = reader.fields.get("general.name")
-    if name is not None:
-        print(f"name: {name.contents()}")
-    cfg = config_from_reader(reader, path)
-    print("config:")
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if f.name == "layer_types":
-            v = "".join("F" if t == "full" else "s" for t in v) + "  (s = sliding window, F = full attention)"
-        print(f"  {f.name}: {v}")
-    counts = Counter(t.tensor_type.name for t in reader.tensors)
-    nbytes = Counter()
-    for t in reader.tensors:
-        nbytes[t.tensor_type.name] += int(t.n_bytes)
-    print(f"tensors: {len(reader.tensors)}")
-    for ty, n in counts.most_common():
-        print(f"  {ty:6s} {n:4d} tensors  {nbytes[ty] / 1e6:8.1f} MB")
-    if arch == "gemma4-assistant":
-        names = {t.name for t in reader.tensors}
-        has = "masked_embd_centroids.weight" in names and "masked_embd_ordering" in names
-        back = reader.fields.get("gemma4-assistant.embedding_length_out")
-        print(f"assistant for a target of width {back.contents() if back else '?'}; clustered head: "
-              f"{'yes (centroids + token ordering)' if has else 'no (full tied head)'}")
-    tok = reader.fields.get("tokenizer.ggml.tokens")
-    print(f"tokenizer: {reader.fields['tokenizer.ggml.model'].contents() if 'tokenizer.ggml.model' in reader.fields else '?'}, "
-          f"{len(tok.data) if tok is not None else 0} tokens, chat template: "
-          f"{'yes' if 'tokenizer.chat_template' in reader.fields else 'no (built-in Gemma template used)'}")
+    print(describe_gguf(args.model))
     return 0
 
 
 def _cmd_convert(args) -> int:
-    from .loading.gemma4_gguf import convert
+    from .loading.convert import convert
 
     t0 = time.perf_counter()
     info = convert(args.hf_dir, args.out, args.outtype, force=args.force)

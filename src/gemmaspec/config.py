@@ -11,6 +11,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from .errors import ModelFileError
+
 
 @dataclass(frozen=True)
 class Gemma3Config:
@@ -57,6 +59,38 @@ class Gemma3Config:
         data = json.loads(text)
         data["layer_types"] = tuple(data.get("layer_types", ()))
         return cls(**data)
+
+    @classmethod
+    def from_gguf(cls, meta) -> "Gemma3Config":
+        """From a ``gemma3`` GGUF's metadata (:class:`~gemmaspec.loading.gguf.GGUFMeta`), with the
+        Gemma 3 defaults for the keys llama.cpp's converter leaves out (module docstring).
+
+        Raises:
+            ModelFileError: a required key, or the tokenizer, is missing.
+        """
+        vocab = meta.array_len("tokenizer.ggml.tokens")
+        if vocab is None:
+            raise ModelFileError(f"{meta.path}: the file has no tokenizer (tokenizer.ggml.tokens); it cannot generate text")
+        head_dim = int(meta.require("attention.key_length"))
+        scaling = meta.arch_get("rope.scaling.factor")
+        return cls(
+            vocab_size=vocab,
+            hidden_size=int(meta.require("embedding_length")),
+            num_layers=int(meta.require("block_count")),
+            intermediate_size=int(meta.require("feed_forward_length")),
+            num_heads=int(meta.require("attention.head_count")),
+            num_kv_heads=int(meta.require("attention.head_count_kv")),
+            head_dim=head_dim,
+            rms_norm_eps=float(meta.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
+            context_length=int(meta.arch_get("context_length", 32768)),
+            sliding_window=int(meta.arch_get("attention.sliding_window", 512)),
+            rope_theta_global=float(meta.arch_get("rope.freq_base", 1_000_000.0)),
+            rope_scaling_factor=float(scaling) if scaling else 1.0,
+            query_pre_attn_scalar=float(head_dim),
+            final_logit_softcapping=meta.arch_get("final_logit_softcapping"),
+            bos_token_id=int(meta.get("tokenizer.ggml.bos_token_id", 2)),
+            eos_token_id=int(meta.get("tokenizer.ggml.eos_token_id", 1)),
+        )
 
 
 @dataclass(frozen=True)
@@ -144,6 +178,62 @@ class Gemma4Config:
         return cls(**data)
 
     @classmethod
+    def from_gguf(cls, meta) -> "Gemma4Config":
+        """From a ``gemma4`` or ``gemma4-assistant`` GGUF's metadata and tensor table
+        (:class:`~gemmaspec.loading.gguf.GGUFMeta`), as llama.cpp's converter writes them: per-type
+        head dims (``key_length`` = full, ``key_length_swa`` = sliding), the sliding pattern as a bool
+        array, per-layer KV-head and FFN arrays, partial RoPE from ``rope_freqs`` (factor 1e30 = still).
+
+        Raises:
+            ModelFileError: a required key is missing.
+        """
+        n = int(meta.require("block_count"))
+        pattern = meta.arch_get("attention.sliding_window_pattern")
+        types = tuple("sliding" if s else "full" for s in pattern) if isinstance(pattern, list) else ()
+        kv = meta.require("attention.head_count_kv")
+        kv_list = kv if isinstance(kv, list) else [kv] * n
+        ff = meta.require("feed_forward_length")
+        full_kv = [k for k, t in zip(kv_list, types) if t == "full"]
+        slide_kv = [k for k, t in zip(kv_list, types) if t == "sliding"]
+        global_hd = int(meta.require("attention.key_length"))
+        partial = 0.25
+        rope_freqs = meta.tensor_array("rope_freqs.weight")
+        if rope_freqs is not None:
+            partial = 2 * int((rope_freqs < 1e29).sum()) / global_hd
+        shapes = meta.tensor_shapes
+        k_eq_v = any(f"blk.{i}.attn_k.weight" in shapes and f"blk.{i}.attn_v.weight" not in shapes
+                     for i, t in enumerate(types) if t == "full")
+        ple = shapes.get("per_layer_token_embd.weight")
+        vocab = meta.array_len("tokenizer.ggml.tokens")
+        if vocab is None:
+            vocab = shapes["token_embd.weight"][0] if "token_embd.weight" in shapes else 0
+        return cls(
+            vocab_size=vocab, hidden_size=int(meta.require("embedding_length")), num_layers=n,
+            intermediate_size=int(ff[0] if isinstance(ff, list) else ff),
+            num_heads=int(meta.require("attention.head_count")),
+            num_kv_heads=int(slide_kv[0] if slide_kv else kv_list[0]),
+            head_dim=int(meta.require("attention.key_length_swa")), global_head_dim=global_hd,
+            num_global_kv_heads=int(full_kv[0]) if full_kv else None,
+            rms_norm_eps=float(meta.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
+            context_length=int(meta.arch_get("context_length", 131072)),
+            sliding_window=int(meta.require("attention.sliding_window")),
+            rope_theta_local=float(meta.arch_get("rope.freq_base_swa", 10_000.0)),
+            rope_theta_global=float(meta.arch_get("rope.freq_base", 1_000_000.0)),
+            partial_rotary_factor=partial, final_logit_softcapping=meta.arch_get("final_logit_softcapping"),
+            layer_types=types, hidden_size_per_layer_input=int(meta.arch_get("embedding_length_per_layer_input", 0)),
+            vocab_size_per_layer_input=int(ple[0]) if ple is not None else 0,
+            attention_k_eq_v=k_eq_v, num_kv_shared_layers=int(meta.arch_get("attention.shared_kv_layers", 0)),
+            use_double_wide_mlp=isinstance(ff, list) and len(set(ff)) > 1,
+            enable_moe_block=bool(meta.arch_get("expert_count", 0)),
+            num_experts=int(meta.arch_get("expert_count", 0)),
+            top_k_experts=int(meta.arch_get("expert_used_count", 0)),
+            moe_intermediate_size=int(meta.arch_get("expert_feed_forward_length", 0)),
+            bos_token_id=int(meta.get("tokenizer.ggml.bos_token_id", 2)),
+            eos_token_id=int(meta.get("tokenizer.ggml.eos_token_id", 1)),
+            architecture=meta.arch,
+        )
+
+    @classmethod
     def from_hf(cls, cfg: dict) -> "Gemma4Config":
         """From a transformers ``config.json`` dict (``text_config`` of a multimodal checkpoint, or
         the text config itself).
@@ -189,3 +279,70 @@ class Gemma4Config:
             top_k_experts=c.get("top_k_experts") or 0, moe_intermediate_size=c.get("moe_intermediate_size") or 0,
             bos_token_id=c.get("bos_token_id", 2), eos_token_id=eos[0] if isinstance(eos, list) else eos,
         )
+
+
+@dataclass(frozen=True)
+class Gemma4AssistantConfig:
+    """A Gemma 4 assistant (MTP drafter): its own small text model plus what ties it to a target
+    (transformers ``Gemma4AssistantConfig``; GGUF arch ``gemma4-assistant``).
+
+    Attributes:
+        text: the assistant's layers (all query-only: every layer reads the target's KV cache).
+        backbone_hidden_size: the target's width (``embedding_length_out`` in GGUF).
+        num_centroids, centroid_top_k: the clustered head (``use_ordered_embeddings``); 0 = full head.
+    """
+
+    text: Gemma4Config
+    backbone_hidden_size: int
+    num_centroids: int = 0
+    centroid_top_k: int = 0
+    architecture: str = "gemma4-assistant"
+
+    @property
+    def clustered(self) -> tuple[int, int] | None:
+        """``(num_centroids, top_k)`` when the clustered head is used, else None."""
+        return (self.num_centroids, self.centroid_top_k) if self.num_centroids else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["text"] = json.loads(self.text.to_json())
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Gemma4AssistantConfig":
+        data = json.loads(text)
+        data["text"] = Gemma4Config.from_json(json.dumps(data["text"]))
+        return cls(**data)
+
+    @classmethod
+    def from_gguf(cls, meta) -> "Gemma4AssistantConfig":
+        """From a ``gemma4-assistant`` GGUF (``embedding_length_out``; ``num_centroids`` and
+        ``centroid_top_k`` when the file keeps the clustered head's tensors).
+
+        Raises:
+            ModelFileError: a required key is missing.
+        """
+        text = Gemma4Config.from_gguf(meta)
+        clustered = "masked_embd_ordering" in meta.tensor_shapes
+        return cls(text=text, backbone_hidden_size=int(meta.require("embedding_length_out")),
+                   num_centroids=int(meta.arch_get("num_centroids", 2048)) if clustered else 0,
+                   centroid_top_k=int(meta.arch_get("centroid_top_k", 32)) if clustered else 0)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Gemma4AssistantConfig":
+        """From an assistant checkpoint's ``config.json`` dict.
+
+        Raises:
+            ValueError: a required key is missing.
+        """
+        if "backbone_hidden_size" not in cfg:
+            raise ValueError("config.json lacks backbone_hidden_size")
+        text = Gemma4Config.from_hf(cfg.get("text_config") or {})
+        ordered = bool(cfg.get("use_ordered_embeddings"))
+        return cls(text=text, backbone_hidden_size=int(cfg["backbone_hidden_size"]),
+                   num_centroids=int(cfg.get("num_centroids", 2048)) if ordered else 0,
+                   centroid_top_k=int(cfg.get("centroid_intermediate_top_k", 32)) if ordered else 0)

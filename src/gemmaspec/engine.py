@@ -21,12 +21,13 @@ from typing import Iterator, NamedTuple
 import torch
 
 from .errors import InputError
-from .sampling import Sampler, SamplingParams, filtered_probs
+from .sampling import Sampler, SamplingParams
 from .speculative.adaptive import AdaptiveDraftLength
 from .speculative.drafters import DraftContext, Drafter, NoDrafter
 from .speculative.stats import SpecStats
-from .speculative.verify import Verdict, verify_greedy, verify_sampling
-from .tokenizer import GemmaTokenizer, IncrementalDecoder
+from .speculative.verify import verify_round
+from .streaming import StopChecker
+from .tokenizer import GemmaTokenizer
 
 PREFILL_CHUNK = 256  # prompt tokens per forward
 
@@ -77,56 +78,6 @@ class Event:
     text: str
     tokens: list[int]
     logprobs: list[TokenLogprob] | None = None
-
-
-class _StopChecker:
-    """Token-by-token stop conditions: stop ids, stop strings (held back while they may still
-    match), max tokens. ``add`` returns the text that is safe to show."""
-
-    def __init__(self, tok: GemmaTokenizer, params: SamplingParams):
-        self.tok, self.params = tok, params
-        self.decoder = IncrementalDecoder(tok)
-        self.text = ""  # all decoded text
-        self.shown = 0  # chars of text already returned
-        self.tokens: list[int] = []
-        self.reason = ""
-
-    def add(self, token: int) -> str | None:
-        """Feed one generated token; returns text to show, or None when the token is a stop token."""
-        if token in self.tok.stop_ids and not self.params.ignore_eos:
-            self.reason = "eos"
-            return None
-        self.tokens.append(token)
-        self.text += self.decoder.push([token])
-        out_end = len(self.text)
-        for s in self.params.stop:
-            i = self.text.find(s, max(0, self.shown - len(s)))
-            if i >= 0:
-                self.reason = "stop"
-                out_end = min(out_end, i)
-        if self.reason == "stop":
-            self.text = self.text[:out_end]
-        else:
-            # hold back a tail that could be the start of a stop string
-            for s in self.params.stop:
-                for n in range(min(len(s) - 1, len(self.text)), 0, -1):
-                    if self.text.endswith(s[:n]):
-                        out_end = min(out_end, len(self.text) - n)
-                        break
-            if self.params.max_tokens != -1 and len(self.tokens) >= self.params.max_tokens:
-                self.reason = "length"
-                out_end = len(self.text)
-        out = self.text[self.shown:out_end] if out_end > self.shown else ""
-        self.shown = max(self.shown, out_end)
-        return out
-
-    def finish(self) -> str:
-        if self.reason == "stop":
-            return ""
-        self.text += self.decoder.flush()
-        out = self.text[self.shown:]
-        self.shown = len(self.text)
-        return out
 
 
 class RoundInput(NamedTuple):
@@ -184,7 +135,7 @@ class RequestState:
         self.stats = st = stats if stats is not None else RequestStats()
         self.sampler = Sampler(params)
         st.seed, st.prompt_tokens = self.sampler.seed, len(prompt_ids)
-        self.stop = _StopChecker(engine.tokenizer, params)
+        self.stop = StopChecker(engine.tokenizer, params)
         self.tokens = list(prompt_ids)
         self.hidden = None
         self.done = False
@@ -243,7 +194,7 @@ class RequestState:
         start, drafts, dists, t_round, t_drafted = self._round
         self._round = None
         st, stop = self.stats, self.stop
-        verdict = self.engine._verify(out.logits, self.tokens, drafts, dists, self.params, self.sampler)
+        verdict = verify_round(out.logits, self.tokens, drafts, dists, self.params, self.sampler)
         new = drafts[:verdict.n_accepted] + [verdict.next_token]
         events = []
         for i, t in enumerate(new):
@@ -391,19 +342,3 @@ class Engine:
             rnd = state.begin_round()
             out = self.model.forward(rnd.tokens, state.cache, all_logits=rnd.all_logits)
             yield from _merged(state.finish_round(out))
-
-    def _verify(self, logits, history, drafts, dists, params: SamplingParams, sampler: Sampler) -> Verdict:
-        """Decide a round from the target's logits float32 [len(drafts)+1, V]."""
-        if params.greedy and params.repeat_penalty == 1.0:
-            return verify_greedy(logits.argmax(-1).tolist(), drafts)
-        if params.greedy:
-            targets = [int(filtered_probs(logits[i], params, history + drafts[:i])[0][0]) for i in range(len(drafts) + 1)]
-            return verify_greedy(targets, drafts)
-        cache = {}
-
-        def target(i):
-            if i not in cache:
-                cache[i] = filtered_probs(logits[i], params, history + drafts[:i])
-            return cache[i]
-
-        return verify_sampling(target, drafts, dists, sampler.uniform, sampler.draw)

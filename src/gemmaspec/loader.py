@@ -1,18 +1,18 @@
-"""Building a ready engine from a model path (or the default model) and a device."""
+"""Putting the pieces together: a ready engine from a model path (or the default model) and a device,
+and the drafter that ``--spec-type`` asks for."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import sys
 
 import torch
 
 from .engine import Engine
 from .errors import GemmaspecError, InputError
-from .kernels import QuantizedWeight
-from .loading.default_model import default_model_path
-from .loading.gguf import LoadedModel, load_gguf
-from .models.gemma3 import Gemma3Model
+from .loading import load_checkpoint
+from .quant.qat import looks_qat
+from .speculative.options import SPEC_TYPES
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -35,38 +35,6 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def load_model(path: str | os.PathLike | None, device: torch.device):
-    """Load a model onto ``device``: a GGUF file (the default model when ``path`` is None) or a
-    Hugging Face checkpoint directory (Gemma 4). Returns ``(model, LoadedModel)``."""
-    p = Path(path) if path else default_model_path()
-    if p.is_dir():
-        return _load_hf_target(p, device)
-    loaded = load_gguf(p)
-    if loaded.model is not None:  # Gemma 4 GGUF
-        from .models.gemma4 import Gemma4Model
-
-        if not isinstance(loaded.model, Gemma4Model):
-            raise InputError(f"{p} is a Gemma 4 assistant (drafter), not a model to generate with; "
-                             "pass it as -md with --spec-type draft-mtp")
-        model = loaded.model.to(device) if device.type != "cpu" else loaded.model
-        return model, loaded
-    weights = loaded.weights
-    if device.type != "cpu":
-        weights = {k: (v.to(device) if isinstance(v, (QuantizedWeight, torch.Tensor)) else v) for k, v in weights.items()}
-    return Gemma3Model(loaded.config, weights, device), loaded
-
-
-def _load_hf_target(path: Path, device: torch.device):
-    from .loading.safetensors import load_gemma4_dir, read_config
-    from .tokenizer import GemmaTokenizer
-
-    config, model = load_gemma4_dir(path)
-    tokenizer = GemmaTokenizer.from_hf_dir(path, read_config(path))
-    if device.type != "cpu":
-        model = model.to(device)
-    return model, LoadedModel(path, config, model.w, tokenizer, {})
-
-
 def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", threads: int | None = None) -> Engine:
     """A ready :class:`Engine`.
 
@@ -78,8 +46,7 @@ def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", th
         GemmaspecError: bad file, unsupported model, bad device or context size.
     """
     set_threads(threads)
-    dev = resolve_device(device)
-    model, loaded = load_model(path, dev)
+    loaded = load_checkpoint(path, resolve_device(device), role="target")
     if ctx_size is None:  # default: 4096, or the model's context when that is smaller
         ctx_size = min(4096, loaded.config.context_length)
     ctx = ctx_size if ctx_size > 0 else loaded.config.context_length
@@ -87,82 +54,75 @@ def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", th
         raise InputError(f"-c {ctx} exceeds the model's context of {loaded.config.context_length} tokens")
     if ctx < 2:
         raise InputError(f"-c must be at least 2 (got {ctx})")
-    return Engine(model, loaded.tokenizer, ctx)
+    return Engine(loaded.model, loaded.tokenizer, ctx)
 
 
-SPEC_TYPES = ("none", "ngram-simple", "draft-simple", "draft-mtp")
-
-
-def load_assistant(path):
-    """A Gemma 4 assistant from a checkpoint directory or a ``gemma4-assistant`` GGUF.
-
-    Raises:
-        GemmaspecError: unreadable, or not an assistant.
-    """
-    from .loading.safetensors import load_gemma4_assistant_dir
-    from .models.gemma4_assistant import Gemma4Assistant
-
-    p = Path(path)
-    if p.is_dir():
-        return load_gemma4_assistant_dir(p)
-    loaded = load_gguf(p, use_cache=False)
-    if not isinstance(loaded.model, Gemma4Assistant):
-        raise InputError(f"{p} is not a Gemma 4 assistant (architecture {loaded.config.architecture}); "
-                         "-md for --spec-type draft-mtp takes the assistant released with the target")
-    return loaded.model
-
-
-def load_drafter(spec_type: str, engine: Engine, draft_model: str | None = None, p_min: float = 0.0,
+def load_drafter(spec_type: str | None, engine: Engine, draft_model: str | None = None, p_min: float = 0.0,
                  ngram_max: int = 4, ngram_min: int = 1):
     """The drafter for ``--spec-type``, for requests run in the engine's own cache.
 
     Raises:
         InputError: unknown type, missing or incompatible ``-md`` model, bad values.
     """
-    return drafter_factory(spec_type, engine, draft_model, p_min, ngram_max, ngram_min)(engine.cache)
+    return drafter_factory(spec_type, engine, draft_model, p_min, ngram_max, ngram_min)[1](engine.cache)
 
 
-def drafter_factory(spec_type: str, engine: Engine, draft_model: str | None = None, p_min: float = 0.0,
+def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | None = None, p_min: float = 0.0,
                     ngram_max: int = 4, ngram_min: int = 1):
     """Load what ``--spec-type`` needs once (a draft model, an assistant) and return
-    ``make(cache) -> Drafter``: a fresh drafter for requests that run in the target KV cache
-    ``cache`` (drafters keep per-request state, so each concurrently served slot needs its own; a
-    draft model's weights are shared, each drafter gets its own draft cache).
+    ``(spec_type, make)`` with ``make(cache) -> Drafter``: a fresh drafter for requests that run in
+    the target KV cache ``cache`` (drafters keep per-request state, so each concurrently served slot
+    needs its own; a draft model's weights are shared, each drafter gets its own draft cache).
+
+    ``spec_type`` None picks llama-server's default: ``ngram-simple`` without ``-md``; with ``-md``,
+    ``draft-mtp`` when it is an assistant checkpoint and ``draft-simple`` when it is a model.
 
     Raises:
         InputError: unknown type, missing or incompatible ``-md`` model, bad values.
     """
-    from .speculative.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, check_same_vocabulary
+    from .speculative.drafters import (DraftModelDrafter, MTPDrafter, NgramDrafter, NoDrafter, check_mtp_pair,
+                                       check_same_vocabulary)
 
-    if spec_type not in SPEC_TYPES:
+    if spec_type is not None and spec_type not in SPEC_TYPES:
         raise InputError(f"--spec-type must be one of {', '.join(SPEC_TYPES)} (got {spec_type})")
     if not 0.0 <= p_min <= 1.0:
         raise InputError(f"--spec-draft-p-min must be in [0, 1] (got {p_min})")
-    if spec_type not in ("draft-simple", "draft-mtp") and draft_model:
+    if spec_type not in (None, "draft-simple", "draft-mtp") and draft_model:
         raise InputError(f"-md is used by --spec-type draft-simple or draft-mtp, not {spec_type}")
+    if spec_type is None and not draft_model:
+        spec_type = "ngram-simple"
     if spec_type == "none":
-        return lambda cache: NoDrafter()
+        return spec_type, lambda cache: NoDrafter()
     if spec_type == "ngram-simple":
         NgramDrafter(ngram_max, ngram_min)  # check the sizes now
-        return lambda cache: NgramDrafter(ngram_max, ngram_min)
-    if spec_type == "draft-mtp":
-        from .speculative.drafters import MTPDrafter, check_mtp_pair
-
-        if not draft_model:
-            raise InputError("--spec-type draft-mtp needs the target's assistant: -md ASSISTANT (directory or .gguf)")
-        assistant = load_assistant(draft_model)
-        warning = check_mtp_pair(engine.model, assistant)
-        if warning:
-            import sys
-
-            print(warning, file=sys.stderr)
-        return lambda cache: MTPDrafter(assistant, engine.model, cache)
+        return spec_type, lambda cache: NgramDrafter(ngram_max, ngram_min)
     if not draft_model:
-        raise InputError("--spec-type draft-simple needs a draft model: -md DRAFT.gguf")
-    device = engine.model.device
-    model, loaded = load_model(draft_model, device)
-    check_same_vocabulary(engine.tokenizer, loaded.tokenizer)
-    return lambda cache: DraftModelDrafter(model, engine.ctx_size, p_min)
+        what = "the target's assistant: -md ASSISTANT (directory or .gguf)" if spec_type == "draft-mtp" \
+            else "a draft model: -md DRAFT.gguf"
+        raise InputError(f"--spec-type {spec_type} needs {what}")
+    role = {"draft-mtp": "assistant", "draft-simple": "target", None: None}[spec_type]
+    draft = load_checkpoint(draft_model, engine.model.device, role=role)
+    if draft.arch.role == "assistant":
+        assistant = draft.model
+        check_mtp_pair(engine.model, assistant)
+        warning = qat_mismatch_warning(engine.model, assistant)
+        if warning:
+            print(warning, file=sys.stderr)
+        return "draft-mtp", lambda cache: MTPDrafter(assistant, engine.model, cache)
+    check_same_vocabulary(engine.tokenizer, draft.tokenizer)
+    return "draft-simple", lambda cache: DraftModelDrafter(draft.model, engine.ctx_size, p_min)
 
 
-__all__ = ["load_engine", "load_model", "load_drafter", "drafter_factory", "resolve_device", "GemmaspecError", "SPEC_TYPES"]
+def qat_mismatch_warning(target, assistant) -> str | None:
+    """A warning when one of a target/assistant pair is QAT (4-bit grid weights) and the other is not:
+    Google's model card pairs QAT targets with QAT assistants only. None when they match."""
+    name = "blk.0.attn_q.weight"  # every architecture's first query projection (GGUF naming)
+    t, a = looks_qat(target.weights[name]), looks_qat(assistant.weights[name])
+    if t == a:
+        return None
+    kind = lambda q: "QAT (4-bit grid)" if q else "non-QAT"  # noqa: E731
+    return (f"warning: the target's weights are {kind(t)} but the assistant's are {kind(a)}; Google pairs QAT "
+            "targets with QAT assistants (*-qat-q4_0-unquantized-assistant) and acceptance may drop")
+
+
+__all__ = ["load_engine", "load_drafter", "drafter_factory", "resolve_device", "GemmaspecError", "SPEC_TYPES"]

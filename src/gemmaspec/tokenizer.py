@@ -180,33 +180,3 @@ class GemmaTokenizer:
         text = self.apply_chat_template(messages)
         bos = self.backend.id_to_token(self.bos_id)
         return self.encode(text, add_bos=not text.startswith(bos))
-
-
-class IncrementalDecoder:
-    """Turns a growing list of ids into text deltas without splitting multi-byte characters.
-
-    ``push(ids)`` returns the new text; a trailing incomplete UTF-8 sequence (decoded as U+FFFD) is
-    held back until the tokens that complete it arrive. ``flush()`` returns whatever is left.
-    """
-
-    def __init__(self, tokenizer: GemmaTokenizer):
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0  # ids before this are settled
-        self.read = 0  # ids before this have been emitted
-
-    def push(self, new_ids) -> str:
-        self.ids.extend(new_ids)
-        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
-        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
-            delta = text[len(prefix_text):]
-            self.prefix, self.read = self.read, len(self.ids)
-            return delta
-        return ""
-
-    def flush(self) -> str:
-        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
-        self.prefix = self.read = len(self.ids)
-        return text[len(prefix_text):]

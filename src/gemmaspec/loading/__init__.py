@@ -1,1 +1,55 @@
-"""Checkpoint loading: GGUF (llama.cpp) files and the default model."""
+"""Checkpoint loading: GGUF files (llama.cpp), Hugging Face checkpoint directories, the default model.
+
+:func:`load_checkpoint` is the one entry point: any path, any architecture of
+:mod:`gemmaspec.models.registry`, a built model back, with its role checked.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError, ModelFileError
+from .default_model import default_model_path
+from .gguf import LoadedModel, load_gguf
+from .safetensors import load_hf_dir
+
+_ROLE_HINT = {  # by the role the checkpoint has, when the other one was asked for
+    "assistant": "pass it as -md with --spec-type draft-mtp, and its target model as -m",
+    "target": "-md for --spec-type draft-mtp takes the assistant (drafter) released with the target",
+}
+
+
+def load_checkpoint(path: str | os.PathLike | None, device: torch.device | str = "cpu", role: str | None = None,
+                    use_cache: bool = True) -> LoadedModel:
+    """Load a model: a GGUF file (the default model when ``path`` is None) or a Hugging Face
+    checkpoint directory, built and moved to ``device``.
+
+    Args:
+        path: GGUF file or checkpoint directory; None = the embedded default model.
+        device: where the weights go.
+        role: ``"target"`` or ``"assistant"`` to refuse a checkpoint of the other role; None = either.
+        use_cache: keep a GGUF's converted weights in the prepared-model cache.
+
+    Raises:
+        ModelFileError / UnsupportedArchitectureError: unreadable or unsupported checkpoint.
+        InputError: a checkpoint of the wrong role (an assistant given as the model to generate with,
+            or a target given as the assistant).
+    """
+    p = Path(path) if path else default_model_path()
+    loaded = load_hf_dir(p) if p.is_dir() else load_gguf(p, use_cache=use_cache)
+    if role is not None and loaded.arch.role != role:
+        what = "an assistant (drafter)" if loaded.arch.role == "assistant" else "a target model"
+        raise InputError(f"{p} is {what} ({loaded.arch.name}), not {'a target model' if role == 'target' else 'an assistant'}; "
+                         f"{_ROLE_HINT[loaded.arch.role]}")
+    if loaded.arch.role == "target" and role == "target" and loaded.tokenizer is None:
+        raise ModelFileError(f"{p} has no tokenizer.json; gemmaspec needs the checkpoint's tokenizer to generate text")
+    device = torch.device(device)
+    if device.type != "cpu":
+        loaded.model = loaded.model.to(device)
+    return loaded
+
+
+__all__ = ["LoadedModel", "load_checkpoint", "default_model_path"]

@@ -1,4 +1,5 @@
-"""Loading Gemma models from GGUF files (llama.cpp's format), through the ``gguf`` package.
+"""Reading GGUF files (llama.cpp's format) through the ``gguf`` package, for every architecture in
+:mod:`gemmaspec.models.registry`.
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. The first load of a file reads
 it with ``gguf.GGUFReader`` (about 15-25 s for a 262k-token vocabulary), converts every weight into
@@ -18,33 +19,92 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from ..config import Gemma3Config
-from ..errors import ModelFileError, UnsupportedArchitectureError
+from ..errors import ModelFileError
 from ..kernels import QuantizedWeight
+from ..models.registry import Architecture, by_name
 from ..paths import cache_home
 from ..tokenizer import GemmaTokenizer
 from .ggml_blocks import DENSE, SUPPORTED_QUANT, to_int8_blocks
 
-SUPPORTED_ARCHITECTURES = ("gemma3", "gemma4", "gemma4-assistant")
 SUPPORTED_TYPES = tuple(t.name for t in DENSE + SUPPORTED_QUANT)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 GGUF_MAGIC = b"GGUF"
 
 
 @dataclass
 class LoadedModel:
-    """A model ready to build: config, weights (name → tensor or QuantizedWeight) and tokenizer."""
+    """A loaded checkpoint: the built model and what came with it.
+
+    Attributes:
+        path: the GGUF file or checkpoint directory.
+        arch: its :class:`~gemmaspec.models.registry.Architecture` (``arch.role``: target or assistant).
+        config: the typed config (``arch.config_class``).
+        model: the built model object (``arch.build``), on the CPU.
+        tokenizer: the tokenizer (None for an assistant, which uses its target's).
+        tensor_types: name -> GGML type name as stored (empty for Hugging Face checkpoints).
+    """
 
     path: Path
-    config: Gemma3Config
-    weights: dict
+    arch: Architecture
+    config: object
+    model: object
     tokenizer: GemmaTokenizer | None
-    tensor_types: dict  # name -> GGML type name, as stored in the file
-    model: object = None  # a built model (Gemma 4 paths build it while loading)
+    tensor_types: dict
+
+
+class GGUFMeta:
+    """A GGUF file's metadata and tensor table, as the config readers (``Config.from_gguf``) see it.
+
+    Args:
+        reader: an open ``gguf.GGUFReader``.
+        path: the file (for messages).
+
+    Attributes:
+        arch: ``general.architecture``.
+        tensor_shapes: tensor name -> shape in torch order (``[..., ne1, ne0]``).
+
+    Raises:
+        ModelFileError: the file has no ``general.architecture``.
+    """
+
+    def __init__(self, reader, path: Path):
+        self.reader, self.path = reader, path
+        arch = self.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelFileError(f"{path}: the GGUF has no general.architecture key; it is not a model file")
+        self.arch = arch
+        self.tensor_shapes = {t.name: tuple(int(x) for x in reversed(t.shape.tolist())) for t in reader.tensors}
+
+    def get(self, key: str, default=None):
+        """The value of metadata ``key`` (full name), or ``default``."""
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def arch_get(self, key: str, default=None):
+        """The value of ``<arch>.<key>``, or ``default``."""
+        return self.get(f"{self.arch}.{key}", default)
+
+    def require(self, key: str):
+        """The value of ``<arch>.<key>``. Raises ModelFileError when it is missing."""
+        v = self.arch_get(key)
+        if v is None:
+            raise ModelFileError(f"{self.path}: required metadata key {self.arch}.{key} is missing")
+        return v
+
+    def array_len(self, key: str) -> int | None:
+        """Number of elements of an array field (without decoding them), or None when absent."""
+        f = self.reader.fields.get(key)
+        return None if f is None else len(f.data)
+
+    def tensor_array(self, name: str) -> np.ndarray | None:
+        """A (small) tensor's values as float32 numpy, or None when absent."""
+        t = next((t for t in self.reader.tensors if t.name == name), None)
+        return None if t is None else np.asarray(_dense(t), dtype=np.float32)
 
 
 def check_file(path: Path) -> None:
@@ -63,13 +123,15 @@ def check_file(path: Path) -> None:
 
 
 def open_reader(path: Path):
-    """``gguf.GGUFReader`` over ``path``, with corrupt and truncated files reported clearly."""
-    from gguf import GGUFReader
+    """``gguf.GGUFReader`` over ``path``, with corrupt and truncated files reported clearly.
 
+    Raises:
+        ModelFileError: missing, not GGUF, an unknown tensor type, truncated or corrupt.
+    """
     check_file(path)
     size = path.stat().st_size
     try:
-        reader = GGUFReader(path)
+        reader = gguf.GGUFReader(path)
     except ValueError as exc:
         msg = str(exc)
         if "GGMLQuantizationType" in msg:
@@ -88,91 +150,63 @@ def open_reader(path: Path):
     return reader
 
 
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
-
-
-def architecture_of(reader) -> str:
-    arch = _field(reader, "general.architecture")
-    if not isinstance(arch, str):
-        raise ModelFileError("the GGUF has no general.architecture key; it is not a model file")
-    return arch
-
-
-def config_from_reader(reader, path: Path):
-    """The typed config from the file's metadata: :class:`Gemma3Config` (with Gemma 3 defaults for
-    keys it omits) or, for ``gemma4`` / ``gemma4-assistant``, :class:`Gemma4Config`.
+def read_config(path: Path, reader=None):
+    """``(Architecture, typed config)`` of a GGUF file from its metadata.
 
     Raises:
-        UnsupportedArchitectureError: the file is not a Gemma 3 text model.
-        ModelFileError: a required key is missing.
+        UnsupportedArchitectureError: an architecture gemmaspec does not implement.
+        ModelFileError: unreadable file or a required key missing.
     """
-    arch = architecture_of(reader)
-    if arch in ("gemma4", "gemma4-assistant"):
-        from .gemma4_gguf import config_from_gguf
+    meta = GGUFMeta(reader if reader is not None else open_reader(path), path)
+    arch = by_name(meta.arch, str(path))
+    return arch, arch.config_class.from_gguf(meta)
 
-        return config_from_gguf(reader, path)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"{path}: architecture '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
-    def req(key):
-        v = _field(reader, f"{arch}.{key}")
-        if v is None:
-            raise ModelFileError(f"{path}: required metadata key {arch}.{key} is missing")
-        return v
+def _dense(t) -> torch.Tensor:
+    """A ReaderTensor as float32 (dequantized when quantized, through ``gguf.quants``) in torch's dim
+    order; integer tensors become int64."""
+    qtype = T(t.tensor_type)
+    shape = [int(x) for x in reversed(t.shape.tolist())]
+    data = np.asarray(t.data)
+    if qtype in _INTEGER:
+        return torch.from_numpy(np.array(data, dtype=np.int64)).reshape(shape)
+    if qtype == T.BF16:
+        bits = np.ascontiguousarray(data).view(np.int16).astype(np.int32) << 16
+        return torch.from_numpy(bits).view(torch.float32).reshape(shape)
+    if qtype in (T.F32, T.F16):
+        return torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
+    return torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32)).reshape(shape)
 
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is None:
-        raise ModelFileError(f"{path}: the file has no tokenizer (tokenizer.ggml.tokens); it cannot generate text")
-    head_dim = int(req("attention.key_length"))
-    scaling = _field(reader, f"{arch}.rope.scaling.factor")
-    return Gemma3Config(
-        vocab_size=len(tokens.data),
-        hidden_size=int(req("embedding_length")),
-        num_layers=int(req("block_count")),
-        intermediate_size=int(req("feed_forward_length")),
-        num_heads=int(req("attention.head_count")),
-        num_kv_heads=int(req("attention.head_count_kv")),
-        head_dim=head_dim,
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        context_length=int(_field(reader, f"{arch}.context_length", 32768)),
-        sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 512)),
-        rope_theta_global=float(_field(reader, f"{arch}.rope.freq_base", 1_000_000.0)),
-        rope_scaling_factor=float(scaling) if scaling else 1.0,
-        query_pre_attn_scalar=float(head_dim),
-        final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping"),
-        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 2)),
-        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 1)),
-        architecture=arch,
-    )
+
+_INTEGER = (T.I8, T.I16, T.I32, T.I64)
+
+
+def _check_type(t) -> T:
+    """The tensor's GGML type. Raises ModelFileError for one gemmaspec cannot use."""
+    qtype = T(t.tensor_type)
+    if qtype not in DENSE and qtype not in SUPPORTED_QUANT and qtype not in _INTEGER:
+        raise ModelFileError(
+            f"tensor {t.name} has type {qtype.name}, which gemmaspec does not support; "
+            f"supported: {', '.join(SUPPORTED_TYPES)}; re-quantize the model with one of them")
+    return qtype
 
 
 def convert_tensor(t):
-    """One ``ReaderTensor`` → float32 tensor (F32/F16/BF16) or :class:`QuantizedWeight`.
+    """One ``ReaderTensor`` in the engine's form: a block-quantized matrix stays quantized
+    (:class:`QuantizedWeight`, exact int8 levels + fp32 scales; embeddings included, rows are
+    dequantized on lookup); everything else (F32/F16/BF16, 1-D, quantized tensors of more than two
+    dims such as MoE experts) becomes float32, integer tensors int64.
 
     Raises:
         ModelFileError: a tensor type gemmaspec cannot use.
     """
-    qtype = T(t.tensor_type)
+    qtype = _check_type(t)
     shape = [int(x) for x in reversed(t.shape.tolist())]  # torch order: [..., ne1, ne0]
-    if qtype in DENSE:
-        data = np.asarray(t.data)
-        if qtype == T.BF16:
-            arr = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).astype(np.int32) << 16).view(torch.float32)
-        else:
-            arr = torch.from_numpy(np.array(data, dtype=np.float32))
-        return arr.reshape(shape)
-    if qtype not in SUPPORTED_QUANT:
-        raise ModelFileError(
-            f"tensor {t.name} has type {qtype.name}, which gemmaspec does not support; "
-            f"supported: {', '.join(SUPPORTED_TYPES)}; re-quantize the model with one of them")
-    k = shape[-1]
-    n = int(np.prod(shape[:-1]))
+    if qtype in DENSE or qtype in _INTEGER:
+        return _dense(t)
+    if len(shape) != 2:
+        return _dense(t)
+    n, k = shape
     q, s, o, g = to_int8_blocks(np.asarray(t.data), qtype, n, k)
     return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(s), None if o is None else torch.from_numpy(o), g)
 
@@ -183,14 +217,14 @@ def _prepared_dir(path: Path) -> Path:
     return cache_home() / "prepared" / key
 
 
-def _save_prepared(dest: Path, path: Path, config, weights, tokenizer, types) -> None:
+def _save_prepared(dest: Path, loaded: LoadedModel) -> None:
     from safetensors.torch import save_file
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-"))
     try:
         flat, layout = {}, {}
-        for name, w in weights.items():
+        for name, w in loaded.model.weights.items():
             if isinstance(w, QuantizedWeight):
                 flat[name + ".q"], flat[name + ".scale"] = w.q, w.scale
                 if w.offset is not None:
@@ -200,9 +234,11 @@ def _save_prepared(dest: Path, path: Path, config, weights, tokenizer, types) ->
                 flat[name] = w.contiguous()
                 layout[name] = {"kind": "dense"}
         save_file(flat, str(tmp / "weights.safetensors"))
-        tokenizer.save(tmp)
-        meta = {"format_version": FORMAT_VERSION, "source": str(path), "config": json.loads(config.to_json()),
-                "layout": layout, "tensor_types": types}
+        if loaded.tokenizer is not None:
+            loaded.tokenizer.save(tmp)
+        meta = {"format_version": FORMAT_VERSION, "source": str(loaded.path), "arch": loaded.arch.name,
+                "config": json.loads(loaded.config.to_json()), "layout": layout,
+                "tensor_types": loaded.tensor_types, "tokenizer": loaded.tokenizer is not None}
         (tmp / "meta.json").write_text(json.dumps(meta))
         try:
             os.replace(tmp, dest)
@@ -220,6 +256,7 @@ def _load_prepared(dest: Path, path: Path) -> LoadedModel | None:
         meta = json.loads((dest / "meta.json").read_text())
         if meta.get("format_version") != FORMAT_VERSION:
             return None
+        arch = by_name(meta["arch"], str(path))
         flat = load_file(str(dest / "weights.safetensors"))
         weights = {}
         for name, info in meta["layout"].items():
@@ -228,16 +265,19 @@ def _load_prepared(dest: Path, path: Path) -> LoadedModel | None:
                                                 flat.get(name + ".offset"), info["group"])
             else:
                 weights[name] = flat[name]
-        tok = GemmaTokenizer.load(dest)
-        cfg = Gemma3Config.from_json(json.dumps(meta["config"]))
-    except Exception:  # a damaged cache entry is rebuilt, never trusted
+        tok = GemmaTokenizer.load(dest) if meta["tokenizer"] else None
+        cfg = arch.config_class.from_json(json.dumps(meta["config"]))
+        model = arch.build(cfg, weights)
+    except Exception:  # a damaged or outdated cache entry is rebuilt, never trusted
         shutil.rmtree(dest, ignore_errors=True)
         return None
-    return LoadedModel(path, cfg, weights, tok, meta["tensor_types"])
+    return LoadedModel(path, arch, cfg, model, tok, meta["tensor_types"])
 
 
 def load_gguf(path: str | os.PathLike, use_cache: bool = True) -> LoadedModel:
-    """Read a Gemma GGUF: config, weights in engine form, tokenizer.
+    """Read a GGUF of any architecture in :mod:`~gemmaspec.models.registry`: typed config from the
+    metadata, weights in engine form (:func:`convert_tensor`), the built model, the tokenizer
+    (targets only). With ``use_cache`` the result is kept in the prepared-model cache.
 
     Raises:
         ModelFileError: missing, unreadable, non-GGUF, truncated or corrupt file, unsupported
@@ -251,44 +291,39 @@ def load_gguf(path: str | os.PathLike, use_cache: bool = True) -> LoadedModel:
         loaded = _load_prepared(dest, path)
         if loaded is not None:
             return loaded
-    interactive = sys.stderr.isatty()
-    if interactive:
-        print(f"gemmaspec: preparing {path.name} for first use (reading the GGUF, converting weights, building the "
-              "tokenizer); later starts reuse the result", file=sys.stderr)
     reader = open_reader(path)
-    arch = architecture_of(reader)
-    if arch in ("gemma4", "gemma4-assistant"):
-        from .gemma4_gguf import load_gemma4_gguf
-
-        config, model = load_gemma4_gguf(path, reader)
-        tok = GemmaTokenizer.from_gguf(path, reader) if arch == "gemma4" else None
-        types = {t.name: T(t.tensor_type).name for t in reader.tensors}
-        return LoadedModel(path, config, getattr(model, "w", {}), tok, types, model)
-    config = config_from_reader(reader, path)
+    arch, config = read_config(path, reader)
+    for t in reader.tensors:  # refuse an unusable file before announcing the conversion
+        _check_type(t)
+    if use_cache:
+        print(f"gemmaspec: preparing {path.name} for first use (converting {len(reader.tensors)} tensors"
+              f"{', building the tokenizer' if arch.role == 'target' else ''}); later starts reuse the result",
+              file=sys.stderr)
     weights, types = {}, {}
     from tqdm import tqdm
 
-    for t in tqdm(reader.tensors, desc="converting tensors", unit="tensor", disable=not interactive, leave=False):
+    for t in tqdm(reader.tensors, desc="converting tensors", unit="tensor", disable=not sys.stderr.isatty(),
+                  leave=False):
         types[t.name] = T(t.tensor_type).name
         weights[t.name] = convert_tensor(t)
-    _check_tensors(config, weights, path)
-    tokenizer = GemmaTokenizer.from_gguf(path, reader)
+    model = build_model(arch, config, weights, path)
+    tokenizer = GemmaTokenizer.from_gguf(path, reader) if arch.role == "target" else None
+    loaded = LoadedModel(path, arch, config, model, tokenizer, types)
     if use_cache:
-        _save_prepared(dest, path, config, weights, tokenizer, types)
-    return LoadedModel(path, config, weights, tokenizer, types)
+        _save_prepared(dest, loaded)
+    return loaded
 
 
-def _check_tensors(cfg: Gemma3Config, w: dict, path: Path) -> None:
-    need = ["token_embd.weight", "output_norm.weight"]
-    for i in range(cfg.num_layers):
-        need += [f"blk.{i}.{n}.weight" for n in (
-            "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
-            "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")]
-    missing = [n for n in need if n not in w]
-    if missing:
-        raise ModelFileError(f"{path}: {len(missing)} tensor(s) the {cfg.architecture} architecture needs are "
-                             f"missing (first: {missing[0]}); the file is incomplete")
-    emb = w["token_embd.weight"]
-    if tuple(emb.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise ModelFileError(f"{path}: token_embd has shape {tuple(emb.shape)}, expected "
-                             f"({cfg.vocab_size}, {cfg.hidden_size}) from the metadata")
+def build_model(arch: Architecture, config, weights: dict, path: Path):
+    """``arch.build(config, weights)`` with a missing or misshapen tensor reported as the file's fault.
+
+    Raises:
+        ModelFileError: names the first missing tensor, or the shape problem.
+    """
+    try:
+        return arch.build(config, weights)
+    except KeyError as exc:
+        raise ModelFileError(f"{path}: tensor {exc.args[0]} that the {arch.name} architecture needs is missing; "
+                             "the checkpoint is incomplete") from None
+    except ValueError as exc:
+        raise ModelFileError(f"{path}: {exc}") from None

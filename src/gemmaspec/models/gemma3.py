@@ -33,6 +33,16 @@ def _fuse(parts):
     return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), off, g)
 
 
+_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+                  "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+
+
+def required_tensors(config: Gemma3Config) -> list[str]:
+    """GGUF names of the tensors a Gemma 3 text model needs (``output.weight`` is optional: tied head)."""
+    return ["token_embd.weight", "output_norm.weight"] + [
+        f"blk.{i}.{n}.weight" for i in range(config.num_layers) for n in _LAYER_TENSORS]
+
+
 class _Layer:
     def __init__(self, w: dict, i: int, cfg: Gemma3Config):
         p = f"blk.{i}."
@@ -63,19 +73,42 @@ class Gemma3Model:
         device: torch device the weights live on.
 
     Raises:
-        KeyError: a tensor the architecture needs is missing (the loader turns this into a
+        KeyError: a tensor the architecture needs is missing; ValueError: the embedding's shape
+            disagrees with the config (the loader turns both into a
             :class:`~gemmaspec.errors.ModelFileError`).
     """
 
     def __init__(self, config: Gemma3Config, weights: dict, device: torch.device | str = "cpu"):
         self.config = config
         self.device = torch.device(device)
-        self.embed = weights["token_embd.weight"]
+        self.weights = weights
+        missing = [n for n in required_tensors(config) if n not in weights]
+        if missing:
+            raise KeyError(missing[0])
+        emb = weights["token_embd.weight"]
+        if tuple(emb.shape) != (config.vocab_size, config.hidden_size):
+            raise ValueError(f"token_embd has shape {tuple(emb.shape)}, expected "
+                             f"({config.vocab_size}, {config.hidden_size}) from the metadata")
+        self.embed = emb
         self.head = weights.get("output.weight", self.embed)
         self.final_norm = weights["output_norm.weight"]
         self.layers = [_Layer(weights, i, config) for i in range(config.num_layers)]
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size), dtype=torch.float32)
         self.attn_scale = config.query_pre_attn_scalar ** -0.5
+
+    def to(self, device) -> "Gemma3Model":
+        """The same model with every weight on ``device``."""
+        return Gemma3Model(self.config, {k: v.to(device) for k, v in self.weights.items()}, device)
+
+    def embed_row(self, token: int) -> torch.Tensor:
+        """The scaled input embedding of one token, float32 [hidden] (what an MTP assistant reads)."""
+        return self.embed_tokens(torch.tensor([token], device=self.device))[0]
+
+    def kv_layout(self) -> dict:
+        """Per layer type, the cache layer an MTP assistant reads: ``{"sliding"|"full": (layer index,
+        KV heads, head dim)}``, the last layer of that type."""
+        c = self.config
+        return {t: (i, c.num_kv_heads, c.head_dim) for i, t in enumerate(c.layer_types)}
 
     def new_cache(self, capacity: int, max_rollback: int = 16) -> KVCache:
         """An empty KV cache for up to ``capacity`` positions (see :class:`KVCache`)."""

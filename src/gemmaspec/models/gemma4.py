@@ -17,12 +17,16 @@ Reference: transformers ``models/gemma4/modeling_gemma4.py`` (5.x). Differences 
   top-k, renormalise, per-expert scale) picks experts whose outputs are summed.
 - Each layer's output is multiplied by ``layer_scalar``; final logits are soft-capped (30).
 
-Weights are addressed by the transformers names of the text model without the ``model.`` prefix
-(``layers.3.self_attn.q_proj.weight``), as float32 tensors.
+Weights are addressed by llama.cpp's GGUF names (``blk.3.attn_q.weight``), the one naming convention
+of every model here; :func:`hf_to_gguf_name` maps a transformers checkpoint's names onto them (the
+converter writes GGUF files with the same map).
 """
 
 from __future__ import annotations
 
+import re
+
+import gguf
 import torch
 import torch.nn.functional as F
 
@@ -51,8 +55,68 @@ def rope_tables(c: Gemma4Config, pos: torch.Tensor) -> dict:
 
 def gated_mlp(w: dict, prefix: str, h: torch.Tensor) -> torch.Tensor:
     """down(gelu_tanh(gate(h)) * up(h)) with the weights under ``prefix`` (``...mlp.gate_proj.weight``)."""
-    gate = F.gelu(linear(w[prefix + "mlp.gate_proj.weight"], h), approximate="tanh")
-    return linear(w[prefix + "mlp.down_proj.weight"], gate * linear(w[prefix + "mlp.up_proj.weight"], h))
+    gate = F.gelu(linear(w[prefix + "ffn_gate.weight"], h), approximate="tanh")
+    return linear(w[prefix + "ffn_down.weight"], gate * linear(w[prefix + "ffn_up.weight"], h))
+
+
+_HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+_HF_SKIP = ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector")
+_HF_SPECIAL = {  # transformers suffix inside a layer -> GGUF name inside blk.N (names llama.cpp adds by hand)
+    "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+    "layer_scalar": "layer_output_scale.weight",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight",
+}
+_HF_GLOBAL = {  # transformers name (no text prefix) -> GGUF name
+    "embed_tokens.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+    "pre_projection.weight": "nextn.pre_projection.weight",
+    "post_projection.weight": "nextn.post_projection.weight",
+    "masked_embedding.centroids.weight": "masked_embd_centroids.weight",
+    "masked_embedding.token_ordering": "masked_embd_ordering",
+}
+
+
+def hf_to_gguf_name(name: str, n_layers: int) -> str | None:
+    """A Gemma 4 target's or assistant's transformers tensor name → llama.cpp's GGUF name, or None
+    for tensors the text model does not use (vision/audio towers) or llama.cpp's layout has no place
+    for (K/V projections of KV-shared layers). Source: llama.cpp ``convert_hf_to_gguf.py``
+    (``Gemma4Model``, ``Gemma4AssistantModel``) and ``gguf.TensorNameMap``."""
+    if any(s in name for s in _HF_SKIP):
+        return None
+    if name != "lm_head.weight":
+        for prefix in _HF_PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+    if name in _HF_GLOBAL:
+        return _HF_GLOBAL[name]
+    m = re.match(r"layers\.(\d+)\.(.+)$", name)
+    if m:
+        bid, rest = m.group(1), m.group(2)
+        if rest in _HF_SPECIAL:
+            return f"blk.{bid}.{_HF_SPECIAL[rest]}"
+        base, _, suffix = rest.rpartition(".")
+        mapped = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n_layers).get_name(f"model.layers.{bid}.{base}")
+        if mapped:
+            return f"{mapped}.{suffix}"
+    return None
+
+
+def kv_layout(c: Gemma4Config) -> dict:
+    """Per layer type, the cache layer an MTP assistant reads: ``{"sliding"|"full": (layer index,
+    KV heads, head dim)}``, the last layer of that type that computes its own K/V."""
+    src = c.kv_source()
+    out = {}
+    for i in range(c.num_layers):
+        if src[i] == i:
+            out[c.layer_types[i]] = (i, c.layer_kv_heads(i), c.layer_head_dim(i))
+    return out
 
 
 class Gemma4Model:
@@ -70,48 +134,56 @@ class Gemma4Model:
     def __init__(self, config: Gemma4Config, weights: dict, device="cpu"):
         self.config = c = config
         self.device = torch.device(device)
-        self.w = weights
+        self.weights = weights
         self.kv_source = c.kv_source()
         missing = [n for n in self.required_tensors() if n not in weights]
         if missing:
             raise KeyError(missing[0])
-        self.embed = weights["embed_tokens.weight"]
-        self.head = weights.get("lm_head.weight", self.embed)
+        for i in range(c.num_layers):  # a per-layer scalar is used as a 1-element tensor
+            name = f"blk.{i}.layer_output_scale.weight"
+            if name in weights:
+                weights[name] = weights[name].reshape(1)
+        self.embed = weights["token_embd.weight"]
+        self.head = weights.get("output.weight", self.embed)
         self.embed_scale = torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32)
 
     def to(self, device) -> "Gemma4Model":
         """The same model with every weight on ``device``."""
-        return Gemma4Model(self.config, {k: v.to(device) for k, v in self.w.items()}, device)
+        return Gemma4Model(self.config, {k: v.to(device) for k, v in self.weights.items()}, device)
 
     def embed_row(self, token: int) -> torch.Tensor:
         """The scaled input embedding of one token, float32 [hidden] (what the MTP assistant reads)."""
         return _lookup(self.embed, torch.tensor([token], device=self.device))[0] * self.embed_scale
 
+    def kv_layout(self) -> dict:
+        """See :func:`kv_layout` (what an MTP assistant reads of this model's cache)."""
+        return kv_layout(self.config)
+
     def required_tensors(self) -> list[str]:
         """Names this configuration needs (absent K/V of KV-shared layers are not among them)."""
         c = self.config
-        names = ["embed_tokens.weight", "norm.weight"]
+        names = ["token_embd.weight", "output_norm.weight"]
         if c.hidden_size_per_layer_input:
-            names += ["embed_tokens_per_layer.weight", "per_layer_model_projection.weight",
-                      "per_layer_projection_norm.weight"]
+            names += ["per_layer_token_embd.weight", "per_layer_model_proj.weight",
+                      "per_layer_proj_norm.weight"]
         for i in range(c.num_layers):
-            p = f"layers.{i}."
-            names += [p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                                      "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
-                                      "self_attn.q_proj.weight", "self_attn.q_norm.weight", "self_attn.o_proj.weight",
-                                      "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+            p = f"blk.{i}."
+            names += [p + n for n in ("attn_norm.weight", "post_attention_norm.weight",
+                                      "ffn_norm.weight", "post_ffw_norm.weight",
+                                      "attn_q.weight", "attn_q_norm.weight", "attn_output.weight",
+                                      "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
             if self.kv_source[i] == i:
-                names += [p + "self_attn.k_proj.weight", p + "self_attn.k_norm.weight"]
+                names += [p + "attn_k.weight", p + "attn_k_norm.weight"]
                 if not (c.attention_k_eq_v and c.layer_types[i] == "full"):
-                    names.append(p + "self_attn.v_proj.weight")
+                    names.append(p + "attn_v.weight")
             if c.hidden_size_per_layer_input:
-                names += [p + "per_layer_input_gate.weight", p + "per_layer_projection.weight",
-                          p + "post_per_layer_input_norm.weight"]
+                names += [p + "inp_gate.weight", p + "proj.weight",
+                          p + "post_norm.weight"]
             if c.enable_moe_block:
-                names += [p + n for n in ("router.proj.weight", "router.scale", "router.per_expert_scale",
-                                          "experts.gate_up_proj", "experts.down_proj",
-                                          "post_feedforward_layernorm_1.weight", "post_feedforward_layernorm_2.weight",
-                                          "pre_feedforward_layernorm_2.weight")]
+                names += [p + n for n in ("ffn_gate_inp.weight", "ffn_gate_inp.scale", "ffn_down_exps.scale",
+                                          "ffn_gate_up_exps.weight", "ffn_down_exps.weight",
+                                          "post_ffw_norm_1.weight", "post_ffw_norm_2.weight",
+                                          "pre_ffw_norm_2.weight")]
         return names
 
     def new_cache(self, capacity: int, max_rollback: int = 16) -> KVCache:
@@ -123,23 +195,23 @@ class Gemma4Model:
 
     def _per_layer_inputs(self, tokens: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """float32 [T, num_layers, ple_dim]."""
-        c, w = self.config, self.w
+        c, w = self.config, self.weights
         t, p = tokens.shape[0], c.hidden_size_per_layer_input
-        table = _lookup(w["embed_tokens_per_layer.weight"], tokens) * torch.tensor(p ** 0.5, dtype=torch.float32)
-        proj = linear(w["per_layer_model_projection.weight"], embeds) * (c.hidden_size ** -0.5)
-        proj = rms_norm(proj.view(t, c.num_layers, p), w["per_layer_projection_norm.weight"], c.rms_norm_eps)
+        table = _lookup(w["per_layer_token_embd.weight"], tokens) * torch.tensor(p ** 0.5, dtype=torch.float32)
+        proj = linear(w["per_layer_model_proj.weight"], embeds) * (c.hidden_size ** -0.5)
+        proj = rms_norm(proj.view(t, c.num_layers, p), w["per_layer_proj_norm.weight"], c.rms_norm_eps)
         return (proj + table.view(t, c.num_layers, p)) * (2.0 ** -0.5)
 
     def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """The experts' contribution for input x float32 [T, hidden] (before its post-norm)."""
-        c, w, p = self.config, self.w, f"layers.{i}."
-        h = rms_norm(x, None, c.rms_norm_eps) * w[p + "router.scale"] * (c.hidden_size ** -0.5)
-        probs = torch.softmax(linear(w[p + "router.proj.weight"], h), dim=-1)
+        c, w, p = self.config, self.weights, f"blk.{i}."
+        h = rms_norm(x, None, c.rms_norm_eps) * w[p + "ffn_gate_inp.scale"] * (c.hidden_size ** -0.5)
+        probs = torch.softmax(linear(w[p + "ffn_gate_inp.weight"], h), dim=-1)
         top_w, top_i = torch.topk(probs, c.top_k_experts, dim=-1)
-        top_w = top_w / top_w.sum(-1, keepdim=True) * w[p + "router.per_expert_scale"][top_i]
-        xin = rms_norm(x, w[p + "pre_feedforward_layernorm_2.weight"], c.rms_norm_eps)
+        top_w = top_w / top_w.sum(-1, keepdim=True) * w[p + "ffn_down_exps.scale"][top_i]
+        xin = rms_norm(x, w[p + "pre_ffw_norm_2.weight"], c.rms_norm_eps)
         out = torch.zeros_like(x)
-        gate_up, down = w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"]
+        gate_up, down = w[p + "ffn_gate_up_exps.weight"], w[p + "ffn_down_exps.weight"]
         for e in torch.unique(top_i).tolist():
             rows, slot = torch.where(top_i == e)
             g, u = F.linear(xin[rows], gate_up[e]).chunk(2, dim=-1)
@@ -154,7 +226,7 @@ class Gemma4Model:
         Returns:
             logits float32 [1 or T, vocab] (soft-capped), hidden float32 [T, hidden] after the final norm.
         """
-        c, w, eps = self.config, self.w, self.config.rms_norm_eps
+        c, w, eps = self.config, self.weights, self.config.rms_norm_eps
         t = tokens.shape[0]
         start = cache.length
         if start + t > cache.capacity:
@@ -162,50 +234,50 @@ class Gemma4Model:
         pos = torch.arange(start, start + t, device=self.device)
         rope = rope_tables(c, pos)
         plans = {"sliding": cache.plan(start, t, c.sliding_window), "full": cache.plan(start, t, None)}
-        x = _lookup(w["embed_tokens.weight"], tokens) * self.embed_scale
+        x = _lookup(w["token_embd.weight"], tokens) * self.embed_scale
         ple = self._per_layer_inputs(tokens, x) if c.hidden_size_per_layer_input else None
         shared = {}
         for i in range(c.num_layers):
-            p, kind = f"layers.{i}.", c.layer_types[i]
+            p, kind = f"blk.{i}.", c.layer_types[i]
             d, h_kv = c.layer_head_dim(i), c.layer_kv_heads(i)
             cos, sin = rope[kind]
-            h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-            q = linear(w[p + "self_attn.q_proj.weight"], h).view(t, c.num_heads, d)
-            q = apply_rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), cos, sin)
+            h = rms_norm(x, w[p + "attn_norm.weight"], eps)
+            q = linear(w[p + "attn_q.weight"], h).view(t, c.num_heads, d)
+            q = apply_rope(rms_norm(q, w[p + "attn_q_norm.weight"], eps), cos, sin)
             if self.kv_source[i] == i:
-                k_raw = linear(w[p + "self_attn.k_proj.weight"], h).view(t, h_kv, d)
-                v_w = w.get(p + "self_attn.v_proj.weight")
+                k_raw = linear(w[p + "attn_k.weight"], h).view(t, h_kv, d)
+                v_w = w.get(p + "attn_v.weight")
                 if c.attention_k_eq_v and kind == "full":
                     v_raw = k_raw  # K doubles as V on full layers
                 elif v_w is None:
-                    raise KeyError(p + "self_attn.v_proj.weight")
+                    raise KeyError(p + "attn_v.weight")
                 else:
                     v_raw = linear(v_w, h).view(t, h_kv, d)
-                k = apply_rope(rms_norm(k_raw, w[p + "self_attn.k_norm.weight"], eps), cos, sin)
+                k = apply_rope(rms_norm(k_raw, w[p + "attn_k_norm.weight"], eps), cos, sin)
                 v = rms_norm(v_raw, None, eps)
                 keys, values = cache.layers[i].read(plans[kind], start, k, v)
                 shared[i] = (keys, values)
             else:
                 keys, values = shared[self.kv_source[i]]
             a = attention(q, keys, values, plans[kind].mask, 1.0)
-            a = linear(w[p + "self_attn.o_proj.weight"], a.reshape(t, c.num_heads * d))
-            x = x + rms_norm(a, w[p + "post_attention_layernorm.weight"], eps)
+            a = linear(w[p + "attn_output.weight"], a.reshape(t, c.num_heads * d))
+            x = x + rms_norm(a, w[p + "post_attention_norm.weight"], eps)
             residual = x
-            h = rms_norm(x, w[p + "pre_feedforward_layernorm.weight"], eps)
+            h = rms_norm(x, w[p + "ffn_norm.weight"], eps)
             f = gated_mlp(w, p, h)
             if c.enable_moe_block:
-                f = (rms_norm(f, w[p + "post_feedforward_layernorm_1.weight"], eps)
-                     + rms_norm(self._moe(i, residual), w[p + "post_feedforward_layernorm_2.weight"], eps))
-            x = residual + rms_norm(f, w[p + "post_feedforward_layernorm.weight"], eps)
+                f = (rms_norm(f, w[p + "post_ffw_norm_1.weight"], eps)
+                     + rms_norm(self._moe(i, residual), w[p + "post_ffw_norm_2.weight"], eps))
+            x = residual + rms_norm(f, w[p + "post_ffw_norm.weight"], eps)
             if ple is not None:
-                g = F.gelu(linear(w[p + "per_layer_input_gate.weight"], x), approximate="tanh") * ple[:, i]
-                g = linear(w[p + "per_layer_projection.weight"], g)
-                x = x + rms_norm(g, w[p + "post_per_layer_input_norm.weight"], eps)
-            scalar = w.get(p + "layer_scalar")
+                g = F.gelu(linear(w[p + "inp_gate.weight"], x), approximate="tanh") * ple[:, i]
+                g = linear(w[p + "proj.weight"], g)
+                x = x + rms_norm(g, w[p + "post_norm.weight"], eps)
+            scalar = w.get(p + "layer_output_scale.weight")
             if scalar is not None:
                 x = x * scalar
         cache.advance(start, t)
-        hidden = rms_norm(x, w["norm.weight"], eps)
+        hidden = rms_norm(x, w["output_norm.weight"], eps)
         logits = linear(self.head, hidden if all_logits else hidden[-1:])
         if c.final_logit_softcapping:
             cap = c.final_logit_softcapping

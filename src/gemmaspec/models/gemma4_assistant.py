@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Gemma4Config
+from ..config import Gemma4AssistantConfig
 from ..kernels import QuantizedWeight
 from .base import apply_rope, attention, linear, rms_norm
 from .gemma4 import gated_mlp, rope_tables
@@ -34,40 +34,59 @@ class Gemma4Assistant:
     """An assistant drafter's weights and its draft step.
 
     Args:
-        config: the assistant's own text config (all layers KV-shared, no PLE/MoE).
-        backbone_hidden_size: the target's width.
-        weights: transformers names (``model.layers.0.self_attn.q_proj.weight``, ``pre_projection.weight``,
-            ``masked_embedding.centroids.weight``, ...), float32 (``token_ordering`` int64).
-        clustered: (num_centroids, top_k) when the clustered head is used, else None.
+        config: :class:`~gemmaspec.config.Gemma4AssistantConfig` (its own layers: all KV-shared, no
+            PLE/MoE; the target's width; the clustered head's sizes).
+        weights: llama.cpp GGUF names (``blk.0.attn_q.weight``, ``nextn.pre_projection.weight``,
+            ``masked_embd_centroids.weight``, ...), float32 or block-quantized
+            (``masked_embd_ordering`` int64).
+        device: where the weights live.
 
     Raises:
         KeyError: naming a tensor the assistant needs.
     """
 
-    def __init__(self, config: Gemma4Config, backbone_hidden_size: int, weights: dict, clustered=None,
-                 device="cpu"):
-        self.config, self.backbone_hidden_size, self.w = config, backbone_hidden_size, weights
+    def __init__(self, config: Gemma4AssistantConfig, weights: dict, device="cpu"):
+        self.full_config, self.config = config, config.text
+        self.backbone_hidden_size = config.backbone_hidden_size
+        self.weights = weights
         self.device = torch.device(device)
-        self.clustered = clustered
-        need = ["model.norm.weight", "pre_projection.weight", "post_projection.weight"]
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            need += [p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                                     "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
-                                     "self_attn.q_proj.weight", "self_attn.q_norm.weight", "self_attn.o_proj.weight",
-                                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
-        if clustered:
-            need += ["masked_embedding.centroids.weight", "masked_embedding.token_ordering"]
-        if "lm_head.weight" not in weights and "model.embed_tokens.weight" not in weights:
-            need.append("model.embed_tokens.weight")
+        self.clustered = config.clustered
+        need = ["output_norm.weight", "nextn.pre_projection.weight", "nextn.post_projection.weight"]
+        for i in range(self.config.num_layers):
+            p = f"blk.{i}."
+            need += [p + n for n in ("attn_norm.weight", "post_attention_norm.weight",
+                                     "ffn_norm.weight", "post_ffw_norm.weight",
+                                     "attn_q.weight", "attn_q_norm.weight", "attn_output.weight",
+                                     "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
+        if self.clustered:
+            need += ["masked_embd_centroids.weight", "masked_embd_ordering"]
+        if "output.weight" not in weights:
+            need.append("token_embd.weight")
         missing = [n for n in need if n not in weights]
         if missing:
             raise KeyError(missing[0])
-        self.head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
+        for i in range(self.config.num_layers):
+            name = f"blk.{i}.layer_output_scale.weight"
+            if name in weights:
+                weights[name] = weights[name].reshape(1)
+        self.head = weights.get("output.weight", weights.get("token_embd.weight"))
+
+    def to(self, device) -> "Gemma4Assistant":
+        """The same assistant with every weight on ``device``."""
+        return Gemma4Assistant(self.full_config, {k: v.to(device) for k, v in self.weights.items()}, device)
 
     @property
     def has_clustered_head(self) -> bool:
         return bool(self.clustered)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head.shape[0]
+
+    def head_dims(self) -> dict:
+        """Per layer type the head dim its queries use: what the target's cache must match."""
+        c = self.config
+        return {c.layer_types[i]: c.layer_head_dim(i) for i in range(c.num_layers)}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 [V] scores for hidden float32 [H] (full tied head, or the clustered head)."""
@@ -76,9 +95,9 @@ class Gemma4Assistant:
         n_c, top_k = self.clustered
         v = self.head.shape[0]
         per = v // n_c
-        cent = linear(self.w["masked_embedding.centroids.weight"], hidden[None])[0]
+        cent = linear(self.weights["masked_embd_centroids.weight"], hidden[None])[0]
         top = torch.topk(cent, top_k).indices
-        ids = self.w["masked_embedding.token_ordering"].long().view(n_c, per)[top].reshape(-1)
+        ids = self.weights["masked_embd_ordering"].long().view(n_c, per)[top].reshape(-1)
         rows = self.head.rows(ids) if isinstance(self.head, QuantizedWeight) else self.head[ids]
         scores = rows @ hidden
         out = torch.full((v,), float(scores.min()) - 1.0, dtype=hidden.dtype)
@@ -98,26 +117,26 @@ class Gemma4Assistant:
         Returns:
             (logits float32 [V], next h float32 [Hb]).
         """
-        c, w, eps = self.config, self.w, self.config.rms_norm_eps
-        x = linear(w["pre_projection.weight"], torch.cat([x_embed, h])[None])  # [1, H]
+        c, w, eps = self.config, self.weights, self.config.rms_norm_eps
+        x = linear(w["nextn.pre_projection.weight"], torch.cat([x_embed, h])[None])  # [1, H]
         pos = torch.tensor([position], device=x.device)
         rope = rope_tables(c, pos)
         for i in range(c.num_layers):
-            p, kind = f"model.layers.{i}.", c.layer_types[i]
+            p, kind = f"blk.{i}.", c.layer_types[i]
             d = c.layer_head_dim(i)
             cos, sin = rope[kind]
-            hn = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-            q = linear(w[p + "self_attn.q_proj.weight"], hn).view(1, c.num_heads, d)
-            q = apply_rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), cos, sin)
+            hn = rms_norm(x, w[p + "attn_norm.weight"], eps)
+            q = linear(w[p + "attn_q.weight"], hn).view(1, c.num_heads, d)
+            q = apply_rope(rms_norm(q, w[p + "attn_q_norm.weight"], eps), cos, sin)
             keys, values, mask = kv[kind]
             a = attention(q, keys, values, mask, 1.0)
-            a = linear(w[p + "self_attn.o_proj.weight"], a.reshape(1, c.num_heads * d))
-            x = x + rms_norm(a, w[p + "post_attention_layernorm.weight"], eps)
-            hn = rms_norm(x, w[p + "pre_feedforward_layernorm.weight"], eps)
+            a = linear(w[p + "attn_output.weight"], a.reshape(1, c.num_heads * d))
+            x = x + rms_norm(a, w[p + "post_attention_norm.weight"], eps)
+            hn = rms_norm(x, w[p + "ffn_norm.weight"], eps)
             f = gated_mlp(w, p, hn)
-            x = x + rms_norm(f, w[p + "post_feedforward_layernorm.weight"], eps)
-            scalar = w.get(p + "layer_scalar")
+            x = x + rms_norm(f, w[p + "post_ffw_norm.weight"], eps)
+            scalar = w.get(p + "layer_output_scale.weight")
             if scalar is not None:
                 x = x * scalar
-        hidden = rms_norm(x, w["model.norm.weight"], eps)[0]
-        return self.logits(hidden), linear(w["post_projection.weight"], hidden[None])[0]
+        hidden = rms_norm(x, w["output_norm.weight"], eps)[0]
+        return self.logits(hidden), linear(w["nextn.post_projection.weight"], hidden[None])[0]

@@ -210,7 +210,7 @@ def check_same_vocabulary(target_tok, draft_tok) -> None:
 
 
 class MTPDrafter:
-    """Gemma 4's assistant as a drafter (``--spec-type draft-mtp``).
+    """An MTP assistant as a drafter (``--spec-type draft-mtp``).
 
     Reads the target's last hidden state (``ctx.hidden``) and the target's KV cache as it stands
     (positions 0..p-1, p = the last token's position); every draft step of a round runs at p.
@@ -218,8 +218,9 @@ class MTPDrafter:
     ``SinglePositionMultiTokenCandidateGenerator``; see :mod:`gemmaspec.models.gemma4_assistant`.
 
     Args:
-        assistant: a :class:`~gemmaspec.models.gemma4_assistant.Gemma4Assistant`.
-        target: the :class:`~gemmaspec.models.gemma4.Gemma4Model` it drafts for.
+        assistant: the assistant model (``step``, ``head_dims``; e.g. ``Gemma4Assistant``).
+        target: the model it drafts for; it must offer ``embed_row(token)`` and ``kv_layout()``
+            (which cache layer the assistant reads per layer type).
         cache: the target's KV cache (the engine's).
     """
 
@@ -227,11 +228,7 @@ class MTPDrafter:
 
     def __init__(self, assistant, target, cache):
         self.assistant, self.target, self.cache = assistant, target, cache
-        tc = target.config
-        first_shared = tc.num_layers - tc.num_kv_shared_layers
-        self.producer = {}
-        for i in range(first_shared):
-            self.producer[tc.layer_types[i]] = i
+        self.producer = {kind: layer for kind, (layer, _, _) in target.kv_layout().items()}
 
     def reset(self) -> None:
         pass
@@ -278,39 +275,27 @@ def check_mtp_pair(target, assistant) -> None:
     """Refuse a target/assistant pair that cannot work together.
 
     Raises:
-        InputError: the target is not Gemma 4, or widths, vocabulary or head dims differ.
+        InputError: the target cannot feed an MTP assistant (no ``kv_layout``), or widths,
+            vocabulary, layer types or head dims differ.
     """
     from ..errors import InputError
-    from ..models.gemma4 import Gemma4Model
 
-    if not isinstance(target, Gemma4Model):
-        raise InputError("--spec-type draft-mtp needs a Gemma 4 target; this target is "
-                         f"{getattr(target.config, 'architecture', type(target).__name__)}")
-    tc, ac = target.config, assistant.config
+    arch = getattr(target.config, "architecture", type(target).__name__)
+    if not hasattr(target, "kv_layout") or not hasattr(target, "embed_row"):
+        raise InputError(f"--spec-type draft-mtp: this target ({arch}) cannot feed an MTP assistant")
+    tc = target.config
+    layout = target.kv_layout()
     problems = []
     if assistant.backbone_hidden_size != tc.hidden_size:
         problems.append(f"the assistant was trained for a target of width {assistant.backbone_hidden_size}, "
                         f"this target's width is {tc.hidden_size}")
-    if assistant.head.shape[0] != tc.vocab_size:
-        problems.append(f"vocabularies differ ({assistant.head.shape[0]} vs {tc.vocab_size} tokens)")
-    if (ac.head_dim, ac.global_head_dim) != (tc.head_dim, tc.global_head_dim):
-        problems.append(f"head dims differ (assistant {ac.head_dim}/{ac.global_head_dim}, "
-                        f"target {tc.head_dim}/{tc.global_head_dim})")
+    if assistant.vocab_size != tc.vocab_size:
+        problems.append(f"vocabularies differ ({assistant.vocab_size} vs {tc.vocab_size} tokens)")
+    for kind, dim in assistant.head_dims().items():
+        if kind not in layout:
+            problems.append(f"the assistant has {kind} attention layers, the target none")
+        elif layout[kind][2] != dim:
+            problems.append(f"{kind} layers' head dims differ (assistant {dim}, target {layout[kind][2]})")
     if problems:
         raise InputError("this assistant does not belong to this target: " + "; ".join(problems)
                          + ". Use the assistant released with the target")
-    return qat_mismatch_warning(target, assistant)
-
-
-def qat_mismatch_warning(target, assistant) -> str | None:
-    """A warning when one of the pair is QAT (4-bit grid weights) and the other is not: Google's model
-    card pairs QAT targets with QAT assistants only. None when they match."""
-    from ..quant.qat import looks_qat
-
-    t = looks_qat(target.w["layers.0.self_attn.q_proj.weight"])
-    a = looks_qat(assistant.w["model.layers.0.self_attn.q_proj.weight"])
-    if t == a:
-        return None
-    kind = lambda q: "QAT (4-bit grid)" if q else "non-QAT"  # noqa: E731
-    return (f"warning: the target's weights are {kind(t)} but the assistant's are {kind(a)}; Google pairs QAT "
-            "targets with QAT assistants (*-qat-q4_0-unquantized-assistant) and acceptance may drop")

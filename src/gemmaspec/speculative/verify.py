@@ -16,17 +16,22 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import filtered_probs
+
 
 @dataclass
 class Verdict:
-    """Outcome of one round: ``n_accepted`` drafts kept, then ``next_token`` (recovered or bonus)."""
+    """Outcome of one round: ``n_accepted`` drafts kept, then ``next_token``, the target's own token:
+    ``recovered`` (it replaces the first rejected draft) or, when every draft was accepted, the
+    ``bonus`` token (``kind`` says which)."""
 
     n_accepted: int
     next_token: int
+    kind: str  # "recovered" or "bonus"
 
     @property
-    def tokens_added(self) -> int:
-        return self.n_accepted + 1
+    def recovered(self) -> bool:
+        return self.kind == "recovered"
 
 
 def verify_greedy(target_tokens, drafts) -> Verdict:
@@ -39,7 +44,7 @@ def verify_greedy(target_tokens, drafts) -> Verdict:
     n = 0
     while n < len(drafts) and int(drafts[n]) == int(target_tokens[n]):
         n += 1
-    return Verdict(n, int(target_tokens[n]))
+    return Verdict(n, int(target_tokens[n]), "recovered" if n < len(drafts) else "bonus")
 
 
 def _prob_of(dist, token: int) -> float:
@@ -87,5 +92,34 @@ def verify_sampling(target_dists, drafts, draft_dists, uniform, draw) -> Verdict
             qx = _prob_of(q, int(x))
         if qx > 0 and uniform() < min(1.0, px / qx):
             continue
-        return Verdict(i, draw(*residual(p, q)))
-    return Verdict(len(drafts), draw(*target_dists(len(drafts))))
+        return Verdict(i, draw(*residual(p, q)), "recovered")
+    return Verdict(len(drafts), draw(*target_dists(len(drafts))), "bonus")
+
+
+def verify_round(logits: torch.Tensor, history: list[int], drafts: list[int], dists, params, sampler) -> Verdict:
+    """Decide one speculative round from the target's logits.
+
+    Args:
+        logits: float32 [len(drafts) + 1, V], the target's scores at the pending token and each draft.
+        history: every token before the pending one's successor (prompt + generated), for the
+            repetition penalty.
+        drafts: the draft tokens.
+        dists: the drafter's distributions per draft position, or None (one-hot drafts).
+        params: :class:`~gemmaspec.sampling.SamplingParams`; greedy (temperature 0) compares argmaxes
+            (after the repetition penalty when one is set), otherwise rejection sampling over the
+            filtered distributions (:func:`~gemmaspec.sampling.filtered_probs`).
+        sampler: the request's :class:`~gemmaspec.sampling.Sampler` (its seeded uniform and draw).
+    """
+    if params.greedy and params.repeat_penalty == 1.0:
+        return verify_greedy(logits.argmax(-1).tolist(), drafts)
+    if params.greedy:
+        targets = [int(filtered_probs(logits[i], params, history + drafts[:i])[0][0]) for i in range(len(drafts) + 1)]
+        return verify_greedy(targets, drafts)
+    memo = {}
+
+    def target(i):
+        if i not in memo:
+            memo[i] = filtered_probs(logits[i], params, history + drafts[:i])
+        return memo[i]
+
+    return verify_sampling(target, drafts, dists, sampler.uniform, sampler.draw)

@@ -1,0 +1,98 @@
+"""The architectures gemmaspec implements, keyed by the checkpoint's own architecture name.
+
+One entry per architecture (in the spirit of mlx-lm's one file per model): how to read its typed
+config from GGUF metadata and from a Hugging Face ``config.json``, which class builds it, how a
+Hugging Face checkpoint's tensor names map onto the one naming convention every model here uses
+(llama.cpp's GGUF names, ``blk.N.attn_q.weight``), and its role (a ``target`` generates text; an
+``assistant`` only drafts for a target, ``--spec-type draft-mtp``).
+
+The loaders (:mod:`gemmaspec.loading`) look architectures up here and hand back built model objects;
+no module outside ``models/`` and ``loading/`` asks which architecture it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..config import Gemma3Config, Gemma4AssistantConfig, Gemma4Config
+from ..errors import UnsupportedArchitectureError
+from .gemma3 import Gemma3Model
+from .gemma4 import Gemma4Model, hf_to_gguf_name
+from .gemma4_assistant import Gemma4Assistant
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What it takes to load one architecture.
+
+    Attributes:
+        name: GGUF ``general.architecture`` (``gemma3``, ``gemma4``, ``gemma4-assistant``).
+        role: ``"target"`` or ``"assistant"``.
+        config_class: typed config with ``from_gguf(meta)``, ``from_json(text)`` and, where Hugging
+            Face checkpoints are supported, ``from_hf(config.json dict)``.
+        build: ``(config, weights, device) -> model``; raises KeyError naming a missing tensor.
+        hf_model_types: ``config.json`` ``model_type`` values this entry reads (empty: GGUF only).
+        hf_name: ``(checkpoint tensor name, config) -> GGUF name``, or None for a tensor the model
+            does not use (the ``sanitize`` step).
+    """
+
+    name: str
+    role: str
+    config_class: type
+    build: Callable
+    hf_model_types: tuple[str, ...] = ()
+    hf_name: Callable | None = None
+
+    def config_from_hf(self, cfg: dict):
+        """The typed config from a ``config.json`` dict.
+
+        Raises:
+            ValueError: a required key is missing or a value is inconsistent.
+        """
+        return self.config_class.from_hf(cfg)
+
+
+def _layers(config) -> int:
+    return getattr(config, "text", config).num_layers
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("gemma3", "target", Gemma3Config, Gemma3Model),
+        Architecture("gemma4", "target", Gemma4Config, Gemma4Model,
+                     hf_model_types=("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"),
+                     hf_name=lambda name, config: hf_to_gguf_name(name, config.num_layers)),
+        Architecture("gemma4-assistant", "assistant", Gemma4AssistantConfig, Gemma4Assistant,
+                     hf_model_types=("gemma4_assistant", "gemma4_unified_assistant"),
+                     hf_name=lambda name, config: hf_to_gguf_name(name, _layers(config))),
+    )
+}
+
+
+def by_name(name: str, where: str = "") -> Architecture:
+    """The entry for a GGUF ``general.architecture``.
+
+    Raises:
+        UnsupportedArchitectureError: not implemented (names the supported ones).
+    """
+    if name not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{where}: architecture '{name}' is not supported; supported: {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+def by_hf_model_type(model_type, where: str = "") -> Architecture:
+    """The entry for a Hugging Face ``config.json`` ``model_type``.
+
+    Raises:
+        UnsupportedArchitectureError: no entry reads it (names those that do).
+    """
+    for arch in ARCHITECTURES.values():
+        if model_type in arch.hf_model_types:
+            return arch
+    known = [t for a in ARCHITECTURES.values() for t in a.hf_model_types]
+    raise UnsupportedArchitectureError(
+        f"{where}: model_type '{model_type}' is not supported in Hugging Face form; supported: {', '.join(known)}"
+        " (Gemma 3 loads from GGUF files)")
