@@ -44,7 +44,7 @@ class StreamingGGUF:
             raise InputError(f"{self.out} is a directory; give a file name for the GGUF output")
         if not self.out.parent.is_dir():
             raise InputError(f"the folder {self.out.parent} does not exist; create it or write OUT elsewhere")
-        self.arch, self.alignment = arch, alignment
+        self.arch, self.alignment = arch, int(alignment)
         self.tmp = self.out.with_name(f".{self.out.name}.partial")
         self.data_path = self.out.with_name(f".{self.out.name}.data.partial")
         self.data = None
