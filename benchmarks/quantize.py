@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
 from common import machine, write_results
 
@@ -40,8 +41,6 @@ def _bf16_bits(x: np.ndarray) -> np.ndarray:
 
 def make_checkpoint(path: Path, size_bytes: int, seed: int = 0) -> int:
     """A BF16 GGUF of ~size_bytes of 4096-wide QAT weights (tensors of 4096 x 4096); returns its size."""
-    from gguf import GGMLQuantizationType as T
-
     rng = np.random.default_rng(seed)
     n_tensors = max(1, size_bytes // (ROW * ROW * 2))
     with StreamingGGUF(path, "llama", force=True) as s:

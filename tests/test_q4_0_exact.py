@@ -14,6 +14,18 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return torch.from_numpy(x.astype(np.float32)).bfloat16().float().numpy()
 
 
+def _ulp_bf16(x: np.ndarray) -> np.ndarray:
+    """bf16's unit in the last place of bf16 values held in float32 (float32's spacing, 16 bits coarser)."""
+    return np.spacing(np.abs(x).astype(np.float32)).astype(np.float64) * 2.0**16
+
+
+def _measured_ulp(r, w: np.ndarray) -> np.ndarray:
+    """Worst error per block of the packed reconstruction d·level against ``w``, in bf16 ulps."""
+    recon = (r.d.astype(np.float32)[:, None] * r.levels.astype(np.float32)).reshape(w.shape)
+    err = np.abs(recon.astype(np.float64) - w) / _ulp_bf16(w)
+    return err.reshape(-1, 32).max(axis=1)
+
+
 def _qat(rng, n_rows, n_blocks, step_exp=(-8, -2), levels=None):
     lv = rng.integers(-8, 8, (n_rows, n_blocks, 32)) if levels is None else levels
     steps = 2.0 ** rng.uniform(*step_exp, (n_rows, n_blocks, 1))
@@ -55,14 +67,32 @@ def test_traps(trap):
     w, lv, _ = _qat(rng, 1, 1, exp, levels)
     r = pack_exact(w)
     recon = r.d.astype(np.float32)[:, None] * r.levels.astype(np.float32)
-    if trap == "subnormal_step":  # fp16 subnormal steps keep few bits: reported, not hidden
-        assert r.max_err_ulp[0] >= 0
+    # the reported error is the reconstruction's real one, and on_grid says whether it is within 1 ulp
+    np.testing.assert_allclose(r.max_err_ulp, _measured_ulp(r, w), rtol=1e-12)
+    assert r.on_grid[0] == (r.max_err_ulp[0] <= 1.0)
+    if trap == "subnormal_step":  # a step of ~2^-20 is an fp16 subnormal (spacing 2^-24): no fp16 d hits it,
+        assert not r.on_grid[0] and r.max_err_ulp[0] > 1.0  # so the block is reported off the grid, not hidden
         return
-    assert r.on_grid.all(), (trap, r.max_err_ulp)
+    assert r.on_grid.all() and r.max_err_ulp[0] <= 1.0, (trap, r.max_err_ulp)
+    if trap == "all_zero":
+        assert r.max_err_ulp[0] == 0 and r.exact[0] == 32 and r.d[0] == 0
     assert np.array_equal(recon.reshape(w.shape), w) or (np.abs(recon.reshape(w.shape) - w) <= np.abs(w) * 2.0**-7).all()
     if trap == "peak_below_8":  # the naive amax/8 quantizer is ~5 % off here; exact packing is not
         naive = gguf.quants.dequantize(gguf.quants.quantize(w, T.Q4_0), T.Q4_0)
         assert np.abs(naive - w).max() > np.abs(recon.reshape(w.shape) - w).max()
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_exactly_representable_blocks_come_back_bit_exact(seed):
+    """Levels 0, ±1, ±2, ±4, -8 times a bf16 step are bf16 numbers themselves, and the step an fp16 one:
+    an exact fit exists, so the packer must find it (0 ulp, all 32 values bit-exact)."""
+    rng = np.random.default_rng(seed)
+    levels = rng.choice([-8, -4, -2, -1, 0, 1, 2, 4], (4, 6, 32))
+    w, _, _ = _qat(rng, 4, 6, levels=levels)
+    r = pack_exact(w)
+    assert (r.max_err_ulp == 0).all() and (r.exact == 32).all()
+    assert (_measured_ulp(r, w) == 0).all()
 
 
 def test_grid_runs_along_the_input_dimension():

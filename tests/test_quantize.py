@@ -1,4 +1,4 @@
-"""`gemmaspec quantize --exact` and `gemmaspec verify`: files, reports, round trips and bad input."""
+"""`gemmaspec quantize --exact` and `gemmaspec verify` (check_against_source): files, reports, round trips, bad input."""
 
 import json
 
@@ -12,7 +12,8 @@ from hypothesis import given, settings, strategies as st
 from conftest import run_cli
 from gemmaspec.errors import InputError, ModelFileError
 from gemmaspec.quant.q4_0_exact import pack_exact
-from gemmaspec.quant.quantize import OffGridError, quantize_exact, verify
+from gemmaspec.quant.check import check_against_source
+from gemmaspec.quant.quantize import OffGridError, quantize_exact
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -32,9 +33,11 @@ def _qat_bf16(rng, rows, cols, exp=(-8, -3), levels=None):
     return _bf16_bits((steps * lv).reshape(rows, cols)), lv.reshape(rows, cols)
 
 
-def _write_gguf(path, tensors: dict, arch="llama"):
+def _write_gguf(path, tensors: dict, arch="llama", alignment=None):
     """tensors: name → (numpy data, raw GGML type or None)."""
     w = gguf.GGUFWriter(str(path), arch)
+    if alignment:
+        w.add_custom_alignment(alignment)
     w.add_uint32(f"{arch}.block_count", 1)
     w.add_string("general.name", "synthetic")
     w.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])
@@ -86,10 +89,26 @@ def test_q4_0_round_trip_is_byte_identical(tmp_path):
     assert np.array_equal(np.asarray(got.data).reshape(q4.shape), q4)
     t = rep.totals()
     assert t["blocks_on_grid"] == t["blocks"] == 48 * 8 and t["values_exact"] == deq.size
-    assert reader.fields["general.file_type"].contents() == 2  # MOSTLY_Q4_0
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_0
     assert reader.fields["general.name"].contents() == "synthetic"  # metadata kept
     assert reader.fields["tokenizer.ggml.tokens"].contents() == ["a", "b", "c"]
-    assert verify(tmp_path / "out.gguf", tmp_path / "f32.gguf").ok
+    assert check_against_source(tmp_path / "out.gguf", tmp_path / "f32.gguf").ok
+
+
+@pytest.mark.parametrize("name_len", [1, 9, 17, 25])
+def test_a_source_alignment_is_kept(tmp_path, name_len):
+    """A source written with general.alignment 64 gives an output that records 64 and reads back exactly
+    (whatever the header length: the data section's start depends on it)."""
+    rng = np.random.default_rng(1)
+    q4 = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), T.Q4_0)
+    deq = gguf.quants.dequantize(q4, T.Q4_0).astype(np.float32)
+    _write_gguf(tmp_path / "s.gguf", {"blk.0.ffn_up.weight": (deq, None), "x" * name_len: (np.ones(3, np.float32), None)},
+                alignment=64)
+    quantize_exact(tmp_path / "s.gguf", tmp_path / "o.gguf")
+    got, reader = _tensor(tmp_path / "o.gguf", "blk.0.ffn_up.weight")
+    assert reader.alignment == 64 and reader.fields["general.alignment"].contents() == 64
+    assert np.array_equal(np.asarray(got.data).reshape(q4.shape), q4)
+    assert check_against_source(tmp_path / "o.gguf", tmp_path / "s.gguf").ok
 
 
 @pytest.fixture
@@ -166,7 +185,7 @@ def test_synthetic_checkpoint_report_and_types(synthetic, tmp_path):
     same = (levels == want).all(axis=1) | (levels == -want).all(axis=1)  # the sign of d is free
     same[2] = True  # a block of one repeated value has no single true level (3·s = 6·s/2): verify bounds it
     assert same[nz].all() and (d[~nz] == 0).all()
-    res = verify(tmp_path / "out.gguf", path)
+    res = check_against_source(tmp_path / "out.gguf", path)
     assert res.ok, res.failures
     assert 0 < res.worst_ulp_q4_0 <= 1.0
 
@@ -232,7 +251,7 @@ def test_an_already_quantized_input_is_copied_and_said_so(tmp_path):
     _write_gguf(tmp_path / "q.gguf", {"blk.0.ffn_up.weight": (q4, T.Q4_0)})
     rep = quantize_exact(tmp_path / "q.gguf", tmp_path / "o.gguf")
     assert rep.totals()["tensors_q4_0"] == 0 and "no BF16/F16/F32 weight to pack" in rep.table()
-    assert verify(tmp_path / "o.gguf", tmp_path / "q.gguf").ok
+    assert check_against_source(tmp_path / "o.gguf", tmp_path / "q.gguf").ok
 
 
 def _snap(model, seed):
@@ -277,7 +296,7 @@ def test_tiny_gemma4_target_and_assistant_from_hf(tmp_path):
     types = {t.name: t.tensor_type for t in reader.tensors}
     assert types["blk.0.attn_q.weight"] == T.Q4_0 and types["blk.0.attn_norm.weight"] == T.F32
     assert reader.fields["general.architecture"].contents() == "gemma4"
-    assert verify(tmp_path / "t.gguf", tmp_path / "t").ok
+    assert check_against_source(tmp_path / "t.gguf", tmp_path / "t").ok
 
     _, ref = load_gemma4_dir(tmp_path / "t")  # the bf16 checkpoint, float32 maths
     ours = load_gguf(tmp_path / "t.gguf", use_cache=False).model
@@ -302,5 +321,5 @@ def test_tiny_gemma4_target_and_assistant_from_hf(tmp_path):
     names = {t.name: t.tensor_type for t in gguf.GGUFReader(tmp_path / "a.gguf").tensors}
     assert "masked_embd_centroids.weight" in names and names["masked_embd_ordering"] == T.I32
     assert names["nextn.pre_projection.weight"] == T.Q4_0
-    assert verify(tmp_path / "a.gguf", tmp_path / "a").ok
+    assert check_against_source(tmp_path / "a.gguf", tmp_path / "a").ok
     assert load_gguf(tmp_path / "a.gguf", use_cache=False).model.has_clustered_head

@@ -162,24 +162,23 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_quantize(args) -> int:
-    from .quant.quantize import quantize_exact, write_report
+    from .quant.quantize import quantize_exact
+    from .quant.report import format_size, write_report
 
     rep = quantize_exact(args.src, args.out, args.fallback, strict=args.strict, force=args.force,
                          compare_all=args.compare_all, threads=args.threads)
     print(rep.table(per_tensor=args.verbose or len(rep.tensors) <= 60), file=sys.stderr)
     if args.report:
         write_report(rep, args.report)
-    from .quant.quantize import _size
-
-    print(f"wrote {args.out}: {_size(rep.output_bytes)} in {rep.seconds:.2f} s "
+    print(f"wrote {args.out}: {format_size(rep.output_bytes)} in {rep.seconds:.2f} s "
           f"({rep.source_bytes / 1e6 / max(rep.seconds, 1e-9):.0f} MB/s of source)", file=sys.stderr)
     return 0
 
 
 def _cmd_verify(args) -> int:
-    from .quant.quantize import verify
+    from .quant.check import check_against_source
 
-    res = verify(args.out, args.against)
+    res = check_against_source(args.out, args.against)
     types = ", ".join(f"{n} {k}" for k, n in sorted(res.by_type.items()))
     for f in res.failures:
         print(f"FAIL {f}", file=sys.stderr)

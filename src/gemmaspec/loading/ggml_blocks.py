@@ -9,20 +9,11 @@ All scales are products of an fp16 super-block scale and a small integer, which 
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-# type -> (values per block, bytes per block)
-BLOCKS = {
-    T.Q4_0: (32, 18),
-    T.Q4_1: (32, 20),
-    T.Q5_0: (32, 22),
-    T.Q5_1: (32, 24),
-    T.Q8_0: (32, 34),
-    T.Q4_K: (256, 144),
-    T.Q5_K: (256, 176),
-    T.Q6_K: (256, 210),
-}
-SUPPORTED_QUANT = tuple(BLOCKS)
+# the block types to_int8_blocks converts (their block sizes come from gguf.GGML_QUANT_SIZES)
+SUPPORTED_QUANT = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 DENSE = (T.F32, T.F16, T.BF16)
 
 
@@ -38,8 +29,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _q5_high_bits(qh: np.ndarray) -> np.ndarray:
     """[..., 4] bytes of a little-endian uint32 → [..., 32] bits (bit j for value j)."""
-    bits = np.unpackbits(qh, axis=-1, bitorder="little")
-    return bits
+    return np.unpackbits(qh, axis=-1, bitorder="little")
 
 
 def _k_scales_mins(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -69,9 +59,9 @@ def to_int8_blocks(raw: np.ndarray, qtype: T, n_rows: int, row_len: int):
     Raises:
         ValueError: unsupported type, or a byte count that does not fit the shape.
     """
-    if qtype not in BLOCKS:
+    if qtype not in SUPPORTED_QUANT:
         raise ValueError(f"tensor type {qtype.name} is not supported")
-    per_block, nbytes = BLOCKS[qtype]
+    per_block, nbytes = GGML_QUANT_SIZES[qtype]
     if row_len % per_block:
         raise ValueError(f"row length {row_len} is not a multiple of the {qtype.name} block ({per_block})")
     nb = row_len // per_block

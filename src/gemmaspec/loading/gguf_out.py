@@ -4,7 +4,7 @@
 encoder (the exact Q4_0 packer) only knows a tensor's type once it has seen all of its blocks.
 :class:`StreamingGGUF` therefore writes tensor data to a scratch file beside OUT as it is produced
 (each tensor padded to the file's alignment, exactly as GGUF lays the data section out), then lets
-``GGUFWriter`` write the header, metadata and tensor table and appends the data. A tensor can be
+``GGUFWriter`` write the header, metadata and tensor table (:func:`write_header`) and appends the data. A tensor can be
 discarded and written again with another type (an off-grid block found halfway through).
 Everything goes to ``.OUT.partial`` files that are renamed at the end or removed on failure.
 
@@ -35,7 +35,8 @@ class StreamingGGUF:
         InputError: OUT exists and ``force`` is False.
     """
 
-    def __init__(self, out: str | os.PathLike, arch: str, force: bool = False, alignment: int = 32):
+    def __init__(self, out: str | os.PathLike, arch: str, force: bool = False,
+                 alignment: int = gguf.GGUF_DEFAULT_ALIGNMENT):
         self.out = Path(out)
         if self.out.exists() and not force:
             raise InputError(f"{self.out} exists; pass --force to overwrite it")
@@ -43,7 +44,7 @@ class StreamingGGUF:
             raise InputError(f"{self.out} is a directory; give a file name for the GGUF output")
         if not self.out.parent.is_dir():
             raise InputError(f"the folder {self.out.parent} does not exist; create it or write OUT elsewhere")
-        self.arch, self.alignment = arch, alignment
+        self.arch, self.alignment = arch, int(alignment)
         self.tmp = self.out.with_name(f".{self.out.name}.partial")
         self.data_path = self.out.with_name(f".{self.out.name}.data.partial")
         self.data = None
@@ -100,29 +101,50 @@ class StreamingGGUF:
     def finish(self, add_metadata: Callable[[gguf.GGUFWriter], None]) -> int:
         """Write the file: ``add_metadata(writer)`` adds the key-value pairs, then the tensor table
         and the data; OUT is replaced atomically. Returns the file's size in bytes."""
-        w = gguf.GGUFWriter(str(self.tmp), self.arch)
-        w.data_alignment = self.alignment
-        add_metadata(w)
-        for name, shape, qtype, nbytes in self.tensors:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        fout = w.fout[0]
-        w.write_padding(fout, fout.tell())
+        write_header(self.tmp, self.arch, self.alignment, add_metadata, self.tensors)
         self.data.flush()
         self.data.seek(0)
-        shutil.copyfileobj(self.data, fout, 16 << 20)
-        w.close()
+        with open(self.tmp, "ab") as f:
+            f.write(b"\0" * (-f.tell() % self.alignment))  # the data section starts on the alignment
+            shutil.copyfileobj(self.data, f, 16 << 20)
         os.replace(self.tmp, self.out)
         return self.out.stat().st_size
 
 
+def write_header(path: Path, arch: str, alignment: int, add_metadata: Callable[[gguf.GGUFWriter], None],
+                 tensors: list[tuple[str, tuple[int, ...], gguf.GGMLQuantizationType, int]]) -> None:
+    """Write a GGUF file's header, metadata and tensor table (no data) to ``path`` with ``gguf.GGUFWriter``.
+
+    ``tensors``: (name, element shape in numpy order, type, bytes) per tensor, in data order; each
+    tensor's offset is the sum of the earlier ones' sizes padded to ``alignment`` (a power of two;
+    written as ``general.alignment`` when it is not GGUF's default 32). The caller appends the data
+    section: zero padding up to the next multiple of ``alignment``, then the tensors.
+
+    Why not ``GGUFWriter`` all the way: it writes tensor data only from arrays it holds
+    (``add_tensor``, ``write_tensor_data``), whereas the data here streams from a scratch file whose
+    types were decided after the fact. So only GGUFWriter's public steps are used (``add_tensor_info``
+    with ``raw_dtype``, then ``write_header/kv_data/ti_data_to_file``; none of its private file
+    handles or padding helpers), and the data layout is GGUF's own (see the module docstring).
+    ``tests/test_gguf_out.py`` checks that header and data together are byte for byte what
+    ``GGUFWriter`` writes itself, so a gguf release that changes any of this fails there; pyproject.toml
+    bounds gguf's version to the releases tested.
+    """
+    w = gguf.GGUFWriter(str(path), arch)
+    if alignment != gguf.GGUF_DEFAULT_ALIGNMENT:
+        w.add_custom_alignment(alignment)
+    add_metadata(w)
+    for name, shape, qtype, nbytes in tensors:  # float32: the shape is in elements, not bytes
+        w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+
+
 def encode_rows(arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """float32 rows [R, K] in ``qtype`` (F32, F16, BF16, Q8_0 via ``gguf.quants``) as raw bytes."""
-    T = gguf.GGMLQuantizationType
-    if qtype == T.F32:
+    if qtype == gguf.GGMLQuantizationType.F32:
         return arr.astype(np.float32)
-    if qtype == T.F16:
+    if qtype == gguf.GGMLQuantizationType.F16:
         return arr.astype(np.float16)
     return gguf.quants.quantize(arr, qtype)

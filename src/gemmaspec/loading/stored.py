@@ -1,6 +1,6 @@
 """Tensors read from disk a block of rows at a time, in bounded memory.
 
-Converters (``gemmaspec convert``, ``gemmaspec quantize``) stream tensors of checkpoints larger than
+Converters (``gemmaspec convert``, ``gemmaspec quantize``, ``gemmaspec verify``) stream tensors of checkpoints larger than
 memory. A :class:`StoredTensor` knows where a tensor's bytes lie in a file and reads rows with
 ``os.pread``, so memory holds only the rows being worked on (a memory map would count every page it
 touched in the process's RSS until the whole file is unmapped).
@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
@@ -71,7 +72,7 @@ class StoredTensor:
         """Rows r0..r1 of a float tensor widened to float32 [r1-r0, row_len] (bit-exact)."""
         if not self.is_float:
             raise TypeError(f"{self.dtype} tensor cannot be read as float rows")
-        size = {"BF16": 2, "F16": 2, "F32": 4}[self.dtype]
+        size = np.dtype(_NP[self.dtype]).itemsize
         raw = np.frombuffer(self.read_bytes(r0 * self.row_len * size, (r1 - r0) * self.row_len * size),
                             dtype=_NP[self.dtype]).reshape(r1 - r0, self.row_len)
         if self.dtype == "BF16":
@@ -115,4 +116,21 @@ def safetensors_index(path: Path) -> dict[str, StoredTensor]:
         if 8 + n + b > size:
             raise ModelFileError(f"{path} is truncated (tensor {name} runs past the end of the file); download it again")
         out[name] = StoredTensor(path, 8 + n + a, b - a, dtype, shape)
+    return out
+
+
+def gguf_index(path: Path, reader: gguf.GGUFReader) -> dict[str, StoredTensor]:
+    """Every tensor of the GGUF file ``path`` (opened as ``reader``) by name, in file order.
+
+    Raises:
+        ModelFileError: a tensor runs past the end of the file (truncated download).
+    """
+    size = path.stat().st_size
+    out = {}
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelFileError(f"{path} is truncated (tensor {t.name} runs past the end of the file); "
+                                 "download or write it again")
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne0 first
+        out[t.name] = StoredTensor(path, int(t.data_offset), int(t.n_bytes), t.tensor_type.name, shape)
     return out

@@ -28,8 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
-QK = 32
+QK, Q4_0_BYTES = GGML_QUANT_SIZES[T.Q4_0]  # 32 values per block in 18 bytes
 
 
 @dataclass
@@ -62,16 +64,17 @@ class PackResult:
         return np.concatenate([self.d.astype(np.float16).view(np.uint8).reshape(-1, 2), packed], axis=1)
 
 
-def _ulp(v: np.ndarray, mantissa_bits: int) -> np.ndarray:
-    """Unit in the last place of float32 values in a source format with that many mantissa bits."""
+def ulp(v: np.ndarray, mantissa_bits: int) -> np.ndarray:
+    """Unit in the last place (float64, shape of ``v``) of float32 values ``v`` in a source format
+    with that many explicit mantissa bits (bf16 7, f16 10, f32 23)."""
     a = np.abs(v.astype(np.float64))
     exp = np.floor(np.log2(np.where(a > 0, a, 1.0)))
     exp = np.maximum(exp, -126)  # float32/bf16 normal range
     return np.where(a > 0, 2.0 ** (exp - mantissa_bits), 2.0 ** (-126 - mantissa_bits))
 
 
-def _search(v, v64, ulp, peak, ks, tolerance_ulp, start=None):
-    """Best (d, levels, exact, err) per block over peak levels ``ks`` (see the module docstring)."""
+def _search(v, v64, u, peak, ks, tolerance_ulp, start=None):
+    """Best (d, levels, exact, err) per block over peak levels ``ks``; ``u``: each value's ulp."""
     b = v.shape[0]
     if start is None:
         best_d, best_l = np.zeros(b, dtype=np.float16), np.zeros((b, QK), dtype=np.int8)
@@ -92,7 +95,7 @@ def _search(v, v64, ulp, peak, ks, tolerance_ulp, start=None):
         for d in steps:  # the fitted fp16 step and its two neighbours: the source's rounding can hide the true one
             recon = d.astype(np.float32)[:, None] * lv32
             exact = (recon == v).sum(axis=1)
-            err = (np.abs(recon.astype(np.float64) - v64) / ulp).max(axis=1)
+            err = (np.abs(recon.astype(np.float64) - v64) / u).max(axis=1)
             ok, best_ok = err <= tolerance_ulp, best_err <= tolerance_ulp
             same_class = ok == best_ok
             better = valid & ((ok & ~best_ok) | (same_class & ((exact > best_exact)
@@ -130,7 +133,7 @@ def _pack_c(lib, v: np.ndarray, mantissa_bits: int, tolerance_ulp: float, thread
     levels = np.empty((b, QK), dtype=np.int8)
     exact = np.empty(b, dtype=np.int32)
     err = np.empty(b, dtype=np.float64)
-    packed = np.empty((b, 18), dtype=np.uint8)
+    packed = np.empty((b, Q4_0_BYTES), dtype=np.uint8)
     sq_err, sq_src = np.empty(b), np.empty(b)
     lib.gs_q4_0_exact(v.ctypes.data, b, mantissa_bits, float(tolerance_ulp), d.ctypes.data, levels.ctypes.data,
                       exact.ctypes.data, err.ctypes.data, packed.ctypes.data, sq_err.ctypes.data, sq_src.ctypes.data,
@@ -168,13 +171,13 @@ def pack_exact(w: np.ndarray, mantissa_bits: int = 7, tolerance_ulp: float = 1.0
         return _pack_c(lib, v, mantissa_bits, tolerance_ulp, threads or os.cpu_count() or 1)
     v64 = v.astype(np.float64)
     peak = v64[np.arange(v.shape[0]), np.abs(v64).argmax(axis=1)]
-    ulp = _ulp(v, mantissa_bits)
+    u = ulp(v, mantissa_bits)
     # the peak of a trained block nearly always sits on the outermost levels: try those on every block,
     # then every other level only on the blocks still off the grid (same choice, several times faster)
-    best_d, best_l, best_exact, best_err = _search(v, v64, ulp, peak, (-8, 7, -7, 6, -6), tolerance_ulp)
+    best_d, best_l, best_exact, best_err = _search(v, v64, u, peak, (-8, 7, -7, 6, -6), tolerance_ulp)
     rest = np.nonzero(best_err > tolerance_ulp)[0]
     if rest.size:
-        d2, l2, e2, r2 = _search(v[rest], v64[rest], ulp[rest], peak[rest], (5, 4, 3, 2, 1, -1, -2, -3, -4, -5),
+        d2, l2, e2, r2 = _search(v[rest], v64[rest], u[rest], peak[rest], (5, 4, 3, 2, 1, -1, -2, -3, -4, -5),
                                  tolerance_ulp, (best_d[rest], best_l[rest], best_exact[rest], best_err[rest]))
         best_d[rest], best_l[rest], best_exact[rest], best_err[rest] = d2, l2, e2, r2
     zero = peak == 0  # all-zero block: d = 0, every level 0, exact
