@@ -1,6 +1,5 @@
 """The Gemma 4 MTP assistant drafter against transformers' reference, on tiny random checkpoints."""
 
-import json
 
 import pytest
 import torch

@@ -279,7 +279,7 @@ def test_tiny_gemma4_target_and_assistant_from_hf(tmp_path):
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     from gemmaspec.loading.gguf import load_gguf
-    from gemmaspec.loading.safetensors import load_gemma4_dir
+    from gemmaspec.loading import load_checkpoint
 
     tok = _SmallBPE()
     target = _snap(randomize(Gemma4ForCausalLM(Gemma4TextConfig(**TARGET)).eval(), 1), 1).to(torch.bfloat16)
@@ -298,10 +298,10 @@ def test_tiny_gemma4_target_and_assistant_from_hf(tmp_path):
     assert reader.fields["general.architecture"].contents() == "gemma4"
     assert check_against_source(tmp_path / "t.gguf", tmp_path / "t").ok
 
-    _, ref = load_gemma4_dir(tmp_path / "t")  # the bf16 checkpoint, float32 maths
+    ref = load_checkpoint(tmp_path / "t").model  # the bf16 checkpoint, float32 maths
     ours = load_gguf(tmp_path / "t.gguf", use_cache=False).model
     ids = torch.tensor([2, 17, 45, 99, 3, 250, 18, 7, 77, 120])
-    from gemmaspec.loading.gemma4_gguf import convert
+    from gemmaspec.loading.convert import convert
 
     convert(tmp_path / "t", tmp_path / "t8.gguf", "q8_0")  # what llama.cpp's converter would store
     q8 = load_gguf(tmp_path / "t8.gguf", use_cache=False).model

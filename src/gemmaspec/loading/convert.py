@@ -43,7 +43,7 @@ def _out_type(name: str, t, outtype: T) -> T:
         return T.I32
     if keep_f32(name, t.shape) or outtype == T.F32:
         return T.F32
-    if outtype == T.Q8_0 and t.row_len % 32:
+    if outtype == T.Q8_0 and t.row_len % gguf.GGML_QUANT_SIZES[T.Q8_0][0]:
         return T.F16
     return outtype
 

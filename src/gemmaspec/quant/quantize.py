@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType as T
 from tqdm import tqdm
 
 from ..errors import InputError
-from ..loading.gemma4_gguf import keep_f32, stream_tensor
+from ..loading.convert import keep_f32, stream_tensor
 from ..loading.gguf_out import StreamingGGUF, encode_rows
 from ..loading.stored import FLOAT_MANTISSA, StoredTensor
 from .q4_0_exact import QK, pack_exact

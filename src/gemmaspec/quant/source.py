@@ -2,7 +2,7 @@
 
 A GGUF file with BF16/F16/F32 tensors (any architecture: metadata and tensor names are kept), or a
 Hugging Face Gemma 4 target or assistant directory (in llama.cpp's naming and metadata, through
-:func:`gemmaspec.loading.gemma4_gguf.hf_source`). Tensors are :class:`~gemmaspec.loading.stored.StoredTensor`
+:func:`gemmaspec.loading.convert.hf_source`). Tensors are :class:`~gemmaspec.loading.stored.StoredTensor`
 read with ``pread`` a block of rows at a time (:func:`row_spans`).
 """
 
@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 
 from ..errors import ModelFileError
-from ..loading.gemma4_gguf import hf_source
+from ..loading.convert import hf_source
 from ..loading.gguf import open_reader
 from ..loading.stored import StoredTensor, gguf_index
 
