@@ -138,7 +138,6 @@ def test_assistant_gguf_drafts_like_the_checkpoint(clustered, tmp_path, tok):
     from tiny_gemma4 import TARGET, randomize, tiny_assistant
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-
     randomize(Gemma4ForCausalLM(Gemma4TextConfig(**TARGET)).eval(), 1).save_pretrained(tmp_path / "t")
     tiny_assistant(clustered).save_pretrained(tmp_path / "a")
     _with_tokenizer(tmp_path / "a", tok)
