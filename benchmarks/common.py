@@ -1,7 +1,8 @@
 """Shared benchmark plumbing: cold-process runs, llama.cpp's environment, medians, tables.
 
 llama.cpp is measured through llama-cpp-python 0.3.36, installed only here, in its own virtual
-environment under ``$GEMMASPEC_HOME/bench/llama-venv``. It builds from source (about 16 minutes on
+environment under ``$GEMMASPEC_HOME/bench/llama-venv``. The benchmarks import gemmaspec as installed in
+the running Python (``make setup`` installs it into ``.venv``); they do not edit ``sys.path``. It builds from source (about 16 minutes on
 2 cores); the wheel is kept in ``$GEMMASPEC_HOME/bench/wheels`` so the build happens once.
 """
 
@@ -17,9 +18,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
-from gemmaspec.paths import cache_home  # noqa: E402
+try:
+    from gemmaspec.paths import cache_home
+except ImportError:
+    sys.exit("benchmarks need gemmaspec installed in this Python: `make setup`, then run them with .venv/bin/python "
+             "(or `pip install -e .`)")
 
 LLAMA_CPP_VERSION = "0.3.36"
 
@@ -28,6 +32,17 @@ PROMPTS = {
     "prose": "Write a short story about a robot who learns to paint.",
     "qa": "Explain why the sky is blue, in simple terms.",
 }
+
+
+def tests_helper(name: str):
+    """A helper module of the test suite (``tests/NAME.py``), loaded from its file without touching
+    ``sys.path`` (the tests directory is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"gemmaspec_tests_{name}", ROOT / "tests" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def machine() -> dict:

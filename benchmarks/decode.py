@@ -14,23 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 from common import PROMPTS, llama_python, machine, median, run_cold, write_results
 
 from gemmaspec.loading.default_model import default_model_path
 
-STATS = re.compile(r"prompt (\d+) tokens, prefill ([\d.]+) tokens/s \| generated (\d+) tokens, decode ([\d.]+) "
-                   r"tokens/s \| TTFT (\d+) ms")
-
 
 def ours(model, prompt, n, threads):
     r = run_cold([sys.executable, "-m", "gemmaspec", "generate", "-m", str(model), "-p", prompt, "-n", str(n),
-                  "--temp", "0", "--ignore-eos", "-t", str(threads)])
-    m = STATS.search(r["stderr"])
-    return {"prompt_tokens": int(m[1]), "prefill_tps": float(m[2]), "generated": int(m[3]),
-            "decode_tps": float(m[4]), "ttft_ms": float(m[5]), "cold_first_token_s": r["first_output_s"],
+                  "--temp", "0", "--ignore-eos", "-t", str(threads), "--json"])
+    s = json.loads(r["stdout"].rstrip("\n").rsplit("\n", 1)[-1])  # --json: the stats are the last stdout line
+    return {"prompt_tokens": s["prompt_tokens"], "prefill_tps": s["prefill_tps"], "generated": s["generated_tokens"],
+            "decode_tps": s["decode_tps"], "ttft_ms": s["ttft_ms"], "cold_first_token_s": r["first_output_s"],
             "peak_rss_mb": r["peak_rss_mb"]}
 
 

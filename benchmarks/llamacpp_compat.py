@@ -24,10 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import ROOT, llama_python, machine, write_results
-
-sys.path.insert(0, str(ROOT / "tests"))
-from tiny_gemma4 import randomize as _random  # noqa: E402
+from common import llama_python, machine, tests_helper, write_results
 
 from gemmaspec.loader import load_engine
 from gemmaspec.loading.default_model import default_model_path
@@ -58,7 +55,7 @@ def build(root: Path, tok, extra: dict, seed: int) -> Path:
                 vocab_size_per_layer_input=v)
     cfg = Gemma4TextConfig(**(base | extra))
     m = Gemma4ForCausalLM(cfg).eval()
-    _random(m, seed)
+    tests_helper("tiny_gemma4").randomize(m, seed)
     m.save_pretrained(root)
     tok.backend.save(str(root / "tokenizer.json"))
     return root
@@ -143,7 +140,7 @@ def draft_mtp_check(tmp: Path, tok, server: str, n: int) -> dict:
                           layer_types=LAYERS[:3] + ["full_attention"], hidden_size_per_layer_input=0,
                           vocab_size_per_layer_input=0, max_position_embeddings=2048)
     asst = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=tc, backbone_hidden_size=64))
-    _random(asst, 8)
+    tests_helper("tiny_gemma4").randomize(asst, 8)
     asst.save_pretrained(tmp / "mtp-assistant")
     tok.backend.save(str(tmp / "mtp-assistant" / "tokenizer.json"))
     t_gguf, a_gguf = tmp / "t.gguf", tmp / "a.gguf"

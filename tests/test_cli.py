@@ -147,3 +147,78 @@ def test_draft_model_with_itself_accepts_everything(model_path):
 ])
 def test_speculative_bad_flags(model_path, flags, needle):
     _assert_one_line_error(run_cli("generate", "-m", str(model_path), "-p", "x", *flags), needle)
+
+
+def test_generate_json_is_the_last_stdout_line(model_path):
+    import json
+
+    base = ("generate", "-m", str(model_path), "-p", "List: apple, pear, plum, apple, pear, plum, apple,", "-n", "16",
+            "--temp", "0", "--seed", "7", "--spec-type", "ngram-simple")
+    res = run_cli(*base, "--json")
+    plain = run_cli(*base)
+    assert res.returncode == 0, res.stderr
+    text, last = res.stdout.rstrip("\n").rsplit("\n", 1)
+    assert text + "\n" == plain.stdout  # the text itself is unchanged
+    rec = json.loads(last)
+    assert rec["generated_tokens"] == 16 and rec["stop_reason"] == "length" and rec["seed"] == 7
+    assert rec["prompt_tokens"] > 5 and rec["prefill_tps"] > 0 and rec["decode_tps"] > 0 and rec["load_s"] > 0
+    assert rec["ttft_ms"] > 0 and rec["spec_type"] == "ngram-simple" and rec["n_max"] == 3
+    assert 0 < rec["accepted"] <= rec["drafted"] and rec["acceptance_rate"] == round(rec["accepted"] / rec["drafted"], 5)
+    assert rec["mean_accepted_length"] == round(1 + rec["accepted"] / rec["verify_steps"], 4)
+    assert f"draft acceptance = {rec['acceptance_rate']:.5f}" in res.stderr
+
+
+def test_one_token_has_no_decode_speed(model_path):
+    import json
+
+    res = run_cli("generate", "-m", str(model_path), "-p", "Hello", "-n", "1", "--temp", "0", "--json")
+    assert res.returncode == 0, res.stderr
+    assert "decode n/a (1 token)" in res.stderr and "0.0 tokens/s" not in res.stderr
+    assert json.loads(res.stdout.splitlines()[-1])["decode_tps"] is None
+
+
+def test_prompt_from_file_equals_prompt_flag(model_path, tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text("The capital of France is")
+    args = ("generate", "-m", str(model_path), "-n", "6", "--temp", "0")
+    from_file = run_cli(*args, "-f", str(f))
+    assert from_file.returncode == 0, from_file.stderr
+    assert from_file.stdout == run_cli(*args, "-p", "The capital of France is").stdout
+    _assert_one_line_error(run_cli(*args, "-f", str(tmp_path / "none.txt")), "cannot read the prompt file")
+
+
+@pytest.mark.parametrize("cmd,flags,needle", [
+    ("generate", ["-fa", "on"], "-fa"), ("generate", ["--mlock"], "--mlock"), ("generate", ["--no-mmap"], "--no-mmap"),
+    ("generate", ["-cnv"], "gemmaspec chat"), ("generate", ["-hf", "org/repo"], "-m FILE"),
+    ("generate", ["-ctk", "q8_0"], "-ctk"), ("serve", ["-n", "64"], "-np"), ("serve", ["-cb"], "-cb"),
+    ("generate", ["--n-pred", "4"], "unrecognized arguments: --n-pred"),  # no abbreviations
+])
+def test_llama_cpp_flags_refused_by_name(cmd, flags, needle):
+    res = run_cli(cmd, *(["-p", "x"] if cmd == "generate" else []), *flags)
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert needle in last and "Traceback" not in res.stderr, last
+
+
+def test_ngl_is_accepted_and_explained(model_path):
+    res = run_cli("generate", "-m", str(model_path), "-p", "Hi", "-n", "2", "--temp", "0", "-ngl", "99")
+    assert res.returncode == 0, res.stderr
+    assert "-ngl 99 ignored" in res.stderr and "--device" in res.stderr
+
+
+def test_version():
+    from gemmaspec import __version__
+
+    res = run_cli("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"gemmaspec {__version__}"
+
+
+@pytest.mark.parametrize("ctx", ["-1", "1"])
+def test_bad_context_size(model_path, ctx):
+    _assert_one_line_error(run_cli("generate", "-m", str(model_path), "-p", "x", "-c", ctx), "-c must be 0", ctx)
+
+
+def test_serve_missing_model_fails_before_listening(tmp_path):
+    res = run_cli("serve", "--port", "0", "-m", str(tmp_path / "missing.gguf"), timeout=60)
+    _assert_one_line_error(res, "not found", "missing.gguf")
+    assert "listening" not in res.stderr

@@ -1,19 +1,81 @@
 """The ``gemmaspec`` command.
 
 ``gemmaspec generate`` streams generated text (never the prompt) to stdout and writes one stats line
-(and, with speculation, llama-server's acceptance line) to stderr. ``gemmaspec inspect MODEL`` prints
-what a model file holds. ``gemmaspec serve`` runs the OpenAI-compatible HTTP server
-(:mod:`gemmaspec.server`). Errors are one line on stderr and exit status 1; usage errors exit 2.
-Flags follow llama.cpp's ``llama-cli`` / ``llama-server``.
+(and, with speculation, llama-server's acceptance line) to stderr; with ``--json`` a last stdout line
+holds the stats as JSON. ``gemmaspec chat`` is a conversation in the terminal (:mod:`gemmaspec.chat`).
+``gemmaspec inspect MODEL`` prints what a model file holds. ``gemmaspec serve`` runs the
+OpenAI-compatible HTTP server (:mod:`gemmaspec.server`). Errors are one line on stderr and exit status
+1; usage errors exit 2.
+
+Flags follow llama.cpp's ``llama-cli`` / ``llama-server``; abbreviations of long flags are refused
+(``-n`` is never taken for ``-np``). llama.cpp flags that do not apply here are refused by name with
+a hint (:data:`LLAMA_FLAGS_REFUSED`); ``-ngl`` is accepted and explained.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
 from .errors import GemmaspecError, InputError
+from .speculative.options import SPEC_TYPES, parse_n_max
+
+_CHAT_HINT = "gemmaspec generate answers one prompt; for a conversation use `gemmaspec chat`"
+
+LLAMA_FLAGS_REFUSED = {
+    # llama.cpp flag(s): why it does not apply here / what to use instead
+    ("-fa", "--flash-attn"): "gemmaspec has one attention implementation; there is nothing to switch",
+    ("--mlock", "--no-mmap", "--mmap"): "gemmaspec reads the weights into memory (no memory map); nothing to set",
+    ("-b", "--batch-size", "-ub", "--ubatch-size"): "prompts are prefilled in chunks of 256 tokens; not configurable",
+    ("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"): "the KV cache has one type (the model's float type)",
+    ("-tb", "--threads-batch"): "-t sets the threads for prefill and decode alike",
+    ("-sm", "--split-mode", "-ts", "--tensor-split", "-mg", "--main-gpu"):
+        "gemmaspec runs the whole model on one device: --device cpu|cuda",
+    ("-hf", "--hf-repo", "-mu", "--model-url"): "gemmaspec does not download models: fetch the GGUF and pass -m FILE",
+    ("--numa",): "no NUMA placement; set the thread count with -t",
+    ("-co", "--color"): "output is plain text (no colors)",
+    ("-r", "--reverse-prompt"): "use --stop STR (repeatable) to end generation at a string",
+}
+"""llama.cpp flags refused by name, each with a one-line hint (an error, exit status 2)."""
+
+LLAMA_FLAGS_REFUSED_GENERATE = {
+    ("-cnv", "--conversation", "-i", "--interactive", "-if", "--interactive-first"): _CHAT_HINT,
+}
+
+LLAMA_FLAGS_REFUSED_SERVE = {
+    ("-cb", "--cont-batching", "-nocb", "--no-cont-batching"): "the -np slots are always batched together",
+    ("-n", "--n-predict"): "a request's token count is its max_tokens; -np sets the slots (requests served at once)",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose ``allow_abbrev=False`` also covers single-dash flags: Python 3.11's
+    argparse still takes ``-n`` for ``-np`` (a prefix of a multi-letter single-dash flag). A short
+    flag glued to its value (``-n64``) still works."""
+
+    def _get_option_tuples(self, option_string):
+        found = super()._get_option_tuples(option_string)
+        if self.allow_abbrev or option_string[1:2] in self.prefix_chars:
+            return found
+        return [t for t in found if t[1] == option_string[:2]]
+
+
+class _Refused(argparse.Action):
+    """A llama.cpp flag that does not apply: parsing it is an error naming the flag, with a hint."""
+
+    def __init__(self, option_strings, dest, hint: str = "", **kw):
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.hint = hint
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} (llama.cpp's) does not apply to gemmaspec: {self.hint}")
+
+
+def _refuse(p: argparse.ArgumentParser, table: dict) -> None:
+    for flags, hint in table.items():
+        p.add_argument(*flags, action=_Refused, hint=hint)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -22,12 +84,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="context size in tokens (0 = the model's; default 4096 or the model's, if smaller)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default auto)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", default=None, metavar="N",
+                   help="accepted for llama.cpp compatibility and ignored: the whole model runs on --device")
+    _refuse(p, LLAMA_FLAGS_REFUSED)
 
 
 def _add_spec(p: argparse.ArgumentParser, default: str | None = "none", help_default: str = "default none") -> None:
     sp = p.add_argument_group("speculative decoding (llama-server's flags)")
-    sp.add_argument("--spec-type", default=default, choices=["none", "ngram-simple", "draft-simple", "draft-mtp"],
-                    help=f"drafter ({help_default})")
+    sp.add_argument("--spec-type", default=default, choices=SPEC_TYPES, help=f"drafter ({help_default})")
     sp.add_argument("--spec-draft-n-max", "--draft-max", default="3",
                     help="most draft tokens per round, or 'auto' to adapt per request (default 3)")
     sp.add_argument("--spec-draft-n-min", "--draft-min", type=int, default=0,
@@ -39,43 +103,73 @@ def _add_spec(p: argparse.ArgumentParser, default: str | None = "none", help_def
     sp.add_argument("--spec-ngram-min", type=int, default=1, help="shortest n-gram that counts (default 1)")
 
 
+def _add_sampling(p: argparse.ArgumentParser, n_default: int, n_help: str) -> None:
+    p.add_argument("-n", "--n-predict", type=int, default=n_default, help=n_help)
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p, 1 = off (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty, 1 = off (default 1.0)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back over (default 64)")
+    p.add_argument("-s", "--seed", type=int, default=-1, help="random seed, -1 = random (default -1)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    try:
+        return f"gemmaspec {version('gemmaspec')}"
+    except PackageNotFoundError:
+        return f"gemmaspec {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="gemmaspec", description="Gemma models with speculative decoding.")
+    ap = _Parser(prog="gemmaspec", description="Gemma models with speculative decoding.",
+                                 allow_abbrev=False)
+    ap.add_argument("--version", action="version", version=_version())
     sub = ap.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text from a prompt")
+    g = sub.add_parser("generate", help="generate text from a prompt", allow_abbrev=False)
     _add_common(g)
-    g.add_argument("-p", "--prompt", required=True, help="the prompt text ('-' reads standard input)")
-    g.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until a stop; default 128)")
-    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
-    g.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
-    g.add_argument("--top-p", type=float, default=0.95, help="top-p, 1 = off (default 0.95)")
-    g.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default 0.05)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty, 1 = off (default 1.0)")
-    g.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back over (default 64)")
-    g.add_argument("-s", "--seed", type=int, default=-1, help="random seed, -1 = random (default -1)")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="the prompt text ('-' reads standard input)")
+    src.add_argument("-f", "--file", help="read the prompt from this file")
+    _add_sampling(g, 128, "tokens to generate (-1: until a stop; default 128)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("-sys", "--system-prompt", default=None, help="system message for --chat")
-
+    g.add_argument("--json", action="store_true",
+                   help="after the text, print the stats as one JSON line on stdout (the last line)")
+    _refuse(g, LLAMA_FLAGS_REFUSED_GENERATE)
     _add_spec(g)
+
+    c = sub.add_parser("chat", help="a conversation in the terminal (llama-cli's -cnv), streamed", allow_abbrev=False)
+    _add_common(c)
+    _add_sampling(c, 512, "most tokens per reply (-1: until the end of the turn or the context; default 512)")
+    c.add_argument("-sys", "--system-prompt", default=None, help="system message at the head of the conversation")
+    c.add_argument("-cnv", "--conversation", action="store_true", help=argparse.SUPPRESS)  # what chat is anyway
+    _add_spec(c)
 
     from .server.main import add_serve_parser
 
-    add_serve_parser(sub, _add_common, _add_spec)
+    _refuse(add_serve_parser(sub, _add_common, _add_spec), LLAMA_FLAGS_REFUSED_SERVE)
 
-    i = sub.add_parser("inspect", help="print a model file's architecture, config and tensor types")
+    i = sub.add_parser("inspect", help="print a model file's architecture, config and tensor types", allow_abbrev=False)
     i.add_argument("model", help="GGUF model file")
 
-    cv = sub.add_parser("convert", help="write a Gemma 4 checkpoint directory (target or assistant) as GGUF")
+    cv = sub.add_parser("convert", help="write a Gemma 4 checkpoint directory (target or assistant) as GGUF",
+                        allow_abbrev=False)
     cv.add_argument("hf_dir", help="Hugging Face checkpoint directory")
     cv.add_argument("out", help="output .gguf")
     cv.add_argument("--outtype", default="bf16", choices=["f32", "f16", "bf16", "q8_0"],
                     help="type of the 2-D weights (norms and scales stay f32; default bf16)")
     cv.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
-    q = sub.add_parser("quantize", help="pack a QAT checkpoint as exact Q4_0 GGUF (no re-rounding), with a report")
+    q = sub.add_parser("quantize", help="pack a QAT checkpoint as exact Q4_0 GGUF (no re-rounding), with a report",
+                       allow_abbrev=False)
     q.add_argument("src", metavar="IN", help="GGUF with BF16/F16/F32 tensors, or a Gemma 4 Hugging Face directory")
     q.add_argument("out", metavar="OUT.gguf", help="output GGUF")
     q.add_argument("--exact", action="store_true", required=True,
@@ -90,30 +184,70 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("-t", "--threads", type=int, default=None, help="threads for packing (all cores)")
     q.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
-    v = sub.add_parser("verify", help="check a quantized GGUF against its source, tensor by tensor (exit 0/1)")
+    v = sub.add_parser("verify", help="check a quantized GGUF against its source, tensor by tensor (exit 0/1)",
+                       allow_abbrev=False)
     v.add_argument("out", metavar="OUT.gguf", help="the file written by gemmaspec quantize")
     v.add_argument("--against", metavar="IN", required=True, help="the source it was made from")
     return ap
 
 
-def _cmd_generate(args) -> int:
-    from .loader import load_drafter, load_engine
-    from .engine import RequestStats
+def check_common(args) -> None:
+    """Checks and notes shared by the commands that load a model (``-c``, ``-ngl``).
+
+    Raises:
+        InputError: ``-c`` negative or 1 (0 means the model's context).
+    """
+    ctx = getattr(args, "ctx_size", None)
+    if ctx is not None and (ctx < 0 or ctx == 1):
+        raise InputError(f"-c must be 0 (the model's context) or at least 2 (got {ctx})")
+    if getattr(args, "gpu_layers", None) is not None:
+        print(f"note: -ngl {args.gpu_layers} ignored: gemmaspec does not split layers between devices, the whole "
+              "model runs on --device (auto: CUDA when PyTorch sees a GPU, else CPU)", file=sys.stderr)
+
+
+def _sampling_params(args):
     from .sampling import SamplingParams
 
-    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
-                            max_tokens=args.n_predict, seed=args.seed, stop=tuple(s for s in args.stop if s),
-                            ignore_eos=args.ignore_eos).validate()
-    n_max = _parse_n_max(args.spec_draft_n_max)
+    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                          max_tokens=args.n_predict, seed=args.seed, stop=tuple(s for s in args.stop if s),
+                          ignore_eos=args.ignore_eos).validate()
+
+
+def _load(args):
+    """Checks the spec flags, then loads the engine and drafter: ``(engine, drafter, n_max, load_s)``."""
+    from .loader import load_drafter, load_engine
+
+    n_max = parse_n_max(args.spec_draft_n_max)
     if args.spec_draft_n_min < 0:
         raise InputError(f"--spec-draft-n-min must be >= 0 (got {args.spec_draft_n_min})")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     t0 = time.perf_counter()
     engine = load_engine(args.model, ctx_size=args.ctx_size, device=args.device, threads=args.threads)
     load_s = time.perf_counter() - t0
     drafter = load_drafter(args.spec_type, engine, args.model_draft, args.spec_draft_p_min,
                            args.spec_ngram_size, args.spec_ngram_min)
+    return engine, drafter, n_max, load_s
+
+
+def _read_prompt(args) -> str:
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as exc:
+            raise InputError(f"cannot read the prompt file {args.file}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise InputError(f"the prompt file {args.file} is not UTF-8 text") from None
+    return sys.stdin.read() if args.prompt == "-" else args.prompt
+
+
+def _cmd_generate(args) -> int:
+    from .engine import RequestStats
+    from .report import stats_line, stats_record
+
+    params = _sampling_params(args)
+    prompt = _read_prompt(args)
+    engine, drafter, n_max, load_s = _load(args)
     ids = engine.encode_prompt(prompt, chat=args.chat, system=args.system_prompt)
     engine.check_prompt(ids)
     stats = RequestStats()
@@ -122,25 +256,25 @@ def _cmd_generate(args) -> int:
         out.write(ev.text)
         out.flush()
     out.write("\n")
+    if args.json:
+        out.write(json.dumps(stats_record(stats, load_s, args.spec_type, n_max)) + "\n")
     out.flush()
-    print(f"load {load_s:.2f} s | {stats.line()}", file=sys.stderr)
+    print(stats_line(stats, load_s), file=sys.stderr)
     if args.spec_type != "none":
         print(stats.spec.llama_line(), file=sys.stderr)
     return 0
 
 
-def _parse_n_max(value: str):
-    from .errors import InputError
+def _cmd_chat(args) -> int:
+    from .chat import run_chat
 
-    if value == "auto":
-        return "auto"
-    try:
-        n = int(value)
-    except ValueError:
-        raise InputError(f"--spec-draft-n-max must be a number or 'auto' (got {value})") from None
-    if not 0 <= n <= 15:
-        raise InputError(f"--spec-draft-n-max must be in 0..15 or 'auto' (got {n})")
-    return n
+    params = _sampling_params(args)
+    engine, drafter, n_max, _ = _load(args)
+    if args.model is None:
+        print("note: the default model (Gemma 3 270M) is a base model: it continues text and only half follows a "
+              "conversation; for real answers pass -m with an instruction-tuned Gemma GGUF", file=sys.stderr)
+    return run_chat(engine, drafter, params, n_max=n_max, n_min=args.spec_draft_n_min, system=args.system_prompt,
+                    spec=args.spec_type != "none")
 
 
 def _cmd_inspect(args) -> int:
@@ -191,8 +325,11 @@ def _cmd_verify(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_common(args)
         if args.command == "generate":
             return _cmd_generate(args)
+        if args.command == "chat":
+            return _cmd_chat(args)
         if args.command == "convert":
             return _cmd_convert(args)
         if args.command == "serve":

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -80,6 +81,9 @@ def compiled_library(src: Path):
     so = cache_home() / "kernels" / f"{src.stem}-{key}.so"
     try:
         if not so.exists():
+            if sys.stderr.isatty():
+                print(f"gemmaspec: compiling the C kernel {src.name} for this CPU (once, a few seconds)",
+                      file=sys.stderr, flush=True)
             _compile(src, so)
         return ctypes.CDLL(str(so))
     except OSError as exc:  # no compiler, or a broken build: the caller falls back

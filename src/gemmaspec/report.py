@@ -1,0 +1,47 @@
+"""What the command line reports about a request: the human stats line and the ``--json`` record.
+
+Both are built from a :class:`~gemmaspec.engine.RequestStats`; the CLI's ``generate`` and ``chat``
+share them so the two commands print the same thing.
+"""
+
+from __future__ import annotations
+
+
+def decode_part(stats) -> str:
+    """``decode 51.4 tokens/s``, or ``decode n/a (1 token)`` when fewer than two tokens were generated
+    (decode speed is measured from the first generated token to the last)."""
+    if stats.generated_tokens < 2 or stats.decode_ms <= 0:
+        return f"decode n/a ({stats.generated_tokens} token{'' if stats.generated_tokens == 1 else 's'})"
+    return f"decode {stats.decode_tps:.1f} tokens/s"
+
+
+def stats_line(stats, load_s: float | None = None) -> str:
+    """One human-readable line: ``load 1.09 s | prompt 13 tokens, prefill 256.0 tokens/s | generated 128
+    tokens, decode 51.4 tokens/s | TTFT 51 ms | stop: length | seed 42`` (``load`` only when given)."""
+    head = f"load {load_s:.2f} s | " if load_s is not None else ""
+    return (f"{head}prompt {stats.prompt_tokens} tokens, prefill {stats.prefill_tps:.1f} tokens/s | "
+            f"generated {stats.generated_tokens} tokens, {decode_part(stats)} | "
+            f"TTFT {stats.ttft_ms:.0f} ms | stop: {stats.stop_reason} | seed {stats.seed}")
+
+
+def stats_record(stats, load_s: float, spec_type: str, n_max) -> dict:
+    """The ``generate --json`` record (JSON-serialisable).
+
+    Keys: ``prompt_tokens``, ``generated_tokens`` (ints); ``prefill_tps``, ``decode_tps`` (tokens/s;
+    ``decode_tps`` is None below two generated tokens); ``prefill_ms``, ``decode_ms``, ``ttft_ms``
+    (milliseconds); ``load_s`` (seconds: model load and preparation); ``stop_reason`` ("eos", "stop",
+    "length", "context"); ``seed``; ``spec_type``, ``n_max`` (int or "auto"); ``drafted``, ``accepted``
+    (draft tokens), ``verify_steps``, ``acceptance_rate`` (accepted / drafted, 0 when none drafted) and
+    ``mean_accepted_length`` (tokens per verify step, the target's own token included).
+    """
+    sp = stats.spec
+    return {
+        "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
+        "prefill_tps": round(stats.prefill_tps, 3),
+        "decode_tps": round(stats.decode_tps, 3) if stats.generated_tokens >= 2 and stats.decode_ms > 0 else None,
+        "prefill_ms": round(stats.prefill_ms, 3), "decode_ms": round(stats.decode_ms, 3),
+        "ttft_ms": round(stats.ttft_ms, 3), "load_s": round(load_s, 4), "stop_reason": stats.stop_reason,
+        "seed": stats.seed, "spec_type": spec_type, "n_max": n_max, "drafted": sp.drafted, "accepted": sp.accepted,
+        "verify_steps": sp.steps, "acceptance_rate": round(sp.acceptance_rate, 5),
+        "mean_accepted_length": round(sp.mean_accepted_length, 4),
+    }

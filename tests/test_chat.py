@@ -1,0 +1,31 @@
+"""``gemmaspec chat``: a conversation over stdin, one streamed reply per turn, stats per reply."""
+
+from conftest import run_cli
+
+
+def test_two_turns_then_eof(model_path):
+    res = run_cli("chat", "-m", str(model_path), "--temp", "0", "-n", "12", "--ignore-eos",
+                  "--spec-type", "ngram-simple", stdin="Hello, who are you?\nAnd what do you like?\n")
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    err = res.stderr.strip().splitlines()
+    stats = [ln for ln in err if ln.startswith("prompt ") and "generated 12 tokens" in ln]
+    accept = [ln for ln in err if ln.startswith("draft acceptance = ")]
+    assert len(stats) == 2 and len(accept) == 2, res.stderr
+    # the second turn is rendered with the first exchange before it: a longer prompt
+    n_prompt = [int(ln.split()[1]) for ln in stats]
+    assert n_prompt[1] > n_prompt[0] + 12, n_prompt
+    assert len(res.stdout.strip().splitlines()) >= 2 and res.stdout.endswith("\n")
+
+
+def test_exit_command_leaves_before_later_lines(model_path):
+    res = run_cli("chat", "-m", str(model_path), "--temp", "0", "-n", "4", "--ignore-eos",
+                  stdin="Hi\n/exit\nThis line is never answered\n")
+    assert res.returncode == 0, res.stderr
+    assert sum(ln.startswith("prompt ") for ln in res.stderr.splitlines()) == 1, res.stderr
+    assert "draft acceptance" not in res.stderr  # no speculation asked for
+
+
+def test_generate_cnv_points_to_chat(model_path):
+    res = run_cli("generate", "-m", str(model_path), "-p", "x", "-cnv")
+    assert res.returncode == 2 and "-cnv" in res.stderr and "gemmaspec chat" in res.stderr, res.stderr
