@@ -28,7 +28,8 @@ def test_forward_batch_rows_equal_solo_forward(engine, rows):
     batch_caches = [_prefilled(engine, p) for p in PROMPTS[:len(rows)]]
     solo = [engine.model.forward(t, c, all_logits=f) for t, c, f in zip(toks, solo_caches, flags)]
     batch = engine.model.forward_batch(list(zip(toks, batch_caches)), flags)
-    for s, b, sc, bc in zip(solo, batch, solo_caches, batch_caches):
+    assert len(batch) == len(rows)
+    for s, b, sc, bc in zip(solo, batch, solo_caches, batch_caches, strict=True):
         assert torch.equal(s.logits, b.logits)
         assert torch.equal(s.hidden, b.hidden)
         assert sc.length == bc.length

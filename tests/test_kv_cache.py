@@ -27,7 +27,7 @@ def test_rollback_regenerates_identically(engine, prompt_len, k):
     cache.rollback(cache.length - k)
     toks2, logits2 = _greedy(model, cache, toks[20 - k], k)
     assert toks2 == toks[20 - k:]
-    for a, b in zip(logits[20 - k:], logits2):
+    for a, b in zip(logits[20 - k:], logits2, strict=True):
         assert torch.equal(a, b)
 
 
@@ -48,13 +48,34 @@ def test_multi_token_step_then_rollback_matches_single_steps(engine):
     torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-4)
 
 
-def test_rollback_limits(engine):
-    cache = engine.model.new_cache(64, max_rollback=4)
+def test_rollback_beyond_length_is_an_error(engine):
+    cache = engine.model.new_cache(64, max_rollback=4)  # 64 < window: no ring, any rollback within length
     engine.model.forward(torch.tensor([2, 5, 6, 7, 8, 9, 10]), cache)
-    with pytest.raises(ValueError, match="cannot roll back"):
+    with pytest.raises(ValueError, match="cannot roll back to 8: cache holds 7"):
         cache.rollback(8)
     cache.rollback(3)
     assert cache.length == 3
+
+
+def test_ring_rollback_limit_after_the_wrap(engine):
+    """A real ring (capacity 1024 > window 512 + max_rollback 4) run past its wrap: undoing 5 positions
+    is refused and leaves the cache as it was; undoing 4 regenerates bit-identical logits."""
+    model, k_max = engine.model, 4
+    cache = model.new_cache(1024, max_rollback=k_max)
+    assert cache.ring_rows == cache.window + k_max < cache.capacity
+    ids = [2] + list(range(3000, 3000 + 599))  # 600 tokens: the 516-row ring has wrapped
+    first = int(model.forward(torch.tensor(ids), cache).logits[0].argmax())
+    toks, logits = _greedy(model, cache, first, 8)
+    end = len(ids) + 8
+    assert cache.length == end
+    with pytest.raises(ValueError, match=f"cannot roll back {k_max + 1} positions"):
+        cache.rollback(end - k_max - 1)
+    assert cache.length == end
+    cache.rollback(end - k_max)
+    toks2, logits2 = _greedy(model, cache, toks[8 - k_max], k_max)
+    assert toks2 == toks[8 - k_max:]
+    for a, b in zip(logits[8 - k_max:], logits2, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_context_overflow_is_an_error(engine):

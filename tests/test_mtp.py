@@ -203,5 +203,7 @@ def test_assistant_on_every_target_family(kind, tmp_path):
     engine = Engine(ours_t, _tokenizer(), ctx_size=128)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     plain = [t for ev in engine.generate(ids, params) for t in ev.tokens]
-    spec = [t for ev in engine.generate(ids, params, MTPDrafter(ours_a, ours_t, engine.cache), 3) for t in ev.tokens]
-    assert spec == plain
+    st = RequestStats()
+    spec = [t for ev in engine.generate(ids, params, MTPDrafter(ours_a, ours_t, engine.cache), 3, st) for t in ev.tokens]
+    assert spec == plain and len(spec) == 20
+    assert st.spec.drafted > 0

@@ -27,7 +27,7 @@ def test_final_logits_match(engine, reference, kind):
     ref = _ref_logits(model, ids)[-1]
     rel = ((ours - ref).norm() / ref.norm()).item()
     print(f"{kind}: {len(ids)} tokens, relative L2 error {rel:.2e}")
-    assert rel < 1e-2
+    assert rel < 1e-5  # measured 6e-7 .. 1.3e-6 (the same weights, float32 both sides)
 
 
 @pytest.mark.parametrize("kind", ["code", "prose", "fact"])
@@ -40,10 +40,10 @@ def test_greedy_continuation_matches(engine, reference, kind):
     ours = [t for ev in engine.generate(ids, params) for t in ev.tokens]
     with torch.no_grad():
         ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, len(ids):].tolist()
-    n = min(len(ours), len(ref))
-    first = next((i for i in range(n) if ours[i] != ref[i]), None)
+    print(f"{kind}: {len(ours)} tokens generated")
+    assert len(ours) == 32  # none of these prompts ends at EOS within 32 tokens: every token is compared
+    first = next((i for i in range(32) if ours[i] != ref[i]), None)
     if first is None:
-        assert ours == ref[:len(ours)]
         return
     logits = _ref_logits(model, ids + ref[:first])[-1]
     top2 = torch.topk(logits, 2).values

@@ -39,16 +39,17 @@ def _run(engine, jobs_spec, n_slots, batched=True):
     assert sched.ready.wait(60)
     assert sched.batched == batched
     outs, done = {}, queue.Queue()
-    order = []
+    admitted = []  # job indices in the order the scheduler first emitted for them (its admission order)
     jobs = []
     for i, (prompt, params, n_max) in enumerate(jobs_spec):
         outs[i] = []
 
         def emit(item, i=i):
+            if i not in admitted:
+                admitted.append(i)
             if item[0] == "events":
                 outs[i].extend(t for e in item[1] for t in e.tokens)
             else:
-                order.append(i)
                 done.put(item)
 
         job = Job(engine.tokenizer.encode(prompt), params, emit, n_max=n_max)
@@ -58,7 +59,7 @@ def _run(engine, jobs_spec, n_slots, batched=True):
     results = [done.get(timeout=300) for _ in jobs]
     sched.close()
     assert all(r[0] == "done" for r in results), results
-    return [outs[i] for i in range(len(jobs))], order, jobs
+    return [outs[i] for i in range(len(jobs))], admitted, jobs
 
 
 def _solo(engine, prompt, params, n_max):
@@ -72,10 +73,12 @@ def test_slots_give_each_request_its_solo_tokens(engine, batched):
     sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=20, ignore_eos=True)
     spec = [(PROMPTS[0], greedy, 3), (PROMPTS[1], sampled, 2), (PROMPTS[2], greedy, 0), (PROMPTS[3], sampled, 0),
             (PROMPTS[4], greedy, 4)]
-    got, order, jobs = _run(engine, spec, n_slots=3, batched=batched)
+    got, admitted, jobs = _run(engine, spec, n_slots=3, batched=batched)
     assert got == [_solo(engine, p, params, n) for p, params, n in spec]
     assert all(len(g) == 20 for g in got)
-    assert [j.slot for j in jobs[:3]] == [0, 1, 2]  # FIFO: the first three get the slots, the rest wait
+    # FIFO: the first three get the slots, the other two wait and are admitted in arrival order
+    assert [j.slot for j in jobs[:3]] == [0, 1, 2]
+    assert admitted == [0, 1, 2, 3, 4]
 
 
 def test_cancelled_request_frees_its_slot(engine):

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from conftest import ServerProcess
+from gemmaspec.engine import RequestStats
 from gemmaspec.sampling import SamplingParams
 from gemmaspec.speculative.drafters import NgramDrafter
 
@@ -126,12 +127,26 @@ def test_chat_streamed_equals_whole(client, engine, spec):
     assert (_extra(chunks[-1], "timings")["draft_n"] > 0) == spec
 
 
-def test_stop_string_finishes_with_stop(client):
-    r = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=30, temperature=0, stop=[" 7"])
-    assert r.choices[0].finish_reason == "stop" and " 7" not in r.choices[0].text and "6" in r.choices[0].text
-    chunks = list(client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=30, temperature=0,
-                                            stop=" 7", stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+def test_stop_string_finishes_with_stop(client, engine):
+    """The stop string is taken from the model's own greedy continuation, so the test does not depend on
+    what the model writes: the reply is exactly generate's text and token count with that stop."""
+    prompt, extra = "Count: 1, 2, 3, 4,", {"ignore_eos": True}
+    full, _ = _solo(engine, prompt, 30)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = full.index(stop)
+    assert cut > 0, (full, stop)
+    st = RequestStats()
+    ids = engine.encode_prompt(prompt)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=(stop,))
+    want = "".join(e.text for e in engine.generate(ids, params, NgramDrafter(4, 1), 3, st))
+    assert want == full[:cut] and st.stop_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop],
+                                  extra_body=extra)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want
+    assert r.usage.completion_tokens == st.generated_tokens
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop,
+                                            stream=True, extra_body=extra))
+    assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
