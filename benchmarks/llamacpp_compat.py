@@ -28,7 +28,7 @@ from common import llama_python, machine, tests_helper, write_results
 
 from gemmaspec.loader import load_engine
 from gemmaspec.loading.default_model import default_model_path
-from gemmaspec.loading.gemma4_gguf import convert
+from gemmaspec.loading.convert import convert
 from gemmaspec.loading.gguf import load_gguf
 from gemmaspec.sampling import SamplingParams
 

@@ -33,7 +33,8 @@ N_CENTROIDS, TOP_K = 2048, 32
 def child(fmt: str, clustered: bool, ctx: int) -> dict:
     import torch
 
-    from gemmaspec.config import Gemma4Config
+    from gemmaspec.models.config import Gemma4AssistantConfig, Gemma4Config
+    from gemmaspec.models.gemma4 import hf_to_gguf_name
     from gemmaspec.kernels import QuantizedWeight
     from gemmaspec.models.gemma4_assistant import Gemma4Assistant
 
@@ -72,7 +73,9 @@ def child(fmt: str, clustered: bool, ctx: int) -> dict:
     if clustered:
         w["masked_embedding.centroids.weight"] = mat(N_CENTROIDS, H)
         w["masked_embedding.token_ordering"] = torch.randperm(V)
-    asst = Gemma4Assistant(cfg, HB, w, (N_CENTROIDS, TOP_K) if clustered else None)
+    w = {hf_to_gguf_name(k, len(LAYERS)): v for k, v in w.items()}  # transformers names -> the models' GGUF names
+    acfg = Gemma4AssistantConfig(cfg, HB, N_CENTROIDS if clustered else 0, TOP_K if clustered else 0)
+    asst = Gemma4Assistant(acfg, w)
     loaded = rss_mb()
     # the target's cache: built here only to time attention over it; it is the target's memory, not the drafter's
     kv = {"sliding": (torch.randn(min(ctx, 512), 1, 256), torch.randn(min(ctx, 512), 1, 256), None),

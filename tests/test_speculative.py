@@ -10,7 +10,7 @@ from gemmaspec.kv_cache import KVCache
 from gemmaspec.models.base import ForwardOutput
 from gemmaspec.sampling import SamplingParams
 from gemmaspec.speculative.drafters import Draft, NgramDrafter, check_same_vocabulary
-from gemmaspec.speculative.verify import verify_sampling
+from gemmaspec.speculative.verify import Verdict, verify_sampling
 
 GREEDY = dict(temperature=0)
 
@@ -76,9 +76,6 @@ class Oracle:
         if self.garbage:
             return Draft([int(t) for t in np.random.default_rng(done).integers(1000, 200000, n_max)])
         return Draft(list(self.future[done:done + n_max]))
-
-    def accepted(self, ctx, n):
-        pass
 
     def reset(self):
         pass
@@ -277,3 +274,19 @@ def test_incompatible_draft_vocabulary_refused(tokenizer):
 def test_bad_draft_length(engine):
     with pytest.raises(InputError, match="draft length"):
         list(engine.generate([2, 100], SamplingParams(max_tokens=2), NgramDrafter(), 16))
+
+
+def test_verdict_says_recovered_or_bonus():
+    """The target's own token ends every round: it replaces the first rejected draft (recovered) or,
+    when all drafts were accepted, comes on top (bonus)."""
+    from gemmaspec.speculative.verify import verify_greedy
+
+    assert verify_greedy([5, 6, 7], [5, 9]) == Verdict(1, 6, "recovered")
+    assert verify_greedy([5, 6, 7], [5, 6]) == Verdict(2, 7, "bonus")
+    assert verify_greedy([4], []) == Verdict(0, 4, "bonus")
+    always = lambda: 0.0  # noqa: E731  (a uniform draw of 0 accepts any draft with p > 0)
+    never = lambda: 1.0  # noqa: E731
+    draw = lambda ids, probs: int(ids[int(probs.argmax())])  # noqa: E731
+    assert verify_sampling(lambda i: (IDS, P), [2, 1], None, always, draw).kind == "bonus"
+    v = verify_sampling(lambda i: (IDS, P), [2, 1], None, never, draw)
+    assert (v.n_accepted, v.kind) == (0, "recovered") and v.next_token != 2

@@ -54,10 +54,13 @@ class RequestStats:
         n = self.generated_tokens - 1
         return n / (self.decode_ms / 1e3) if n > 0 and self.decode_ms > 0 else 0.0
 
-    def line(self) -> str:
-        return (f"prompt {self.prompt_tokens} tokens, prefill {self.prefill_tps:.1f} tokens/s | "
-                f"generated {self.generated_tokens} tokens, decode {self.decode_tps:.1f} tokens/s | "
-                f"TTFT {self.ttft_ms:.0f} ms | stop: {self.stop_reason} | seed {self.seed}")
+    @property
+    def decode_text(self) -> str:
+        """``decode 51.4 tokens/s``, or ``decode n/a (1 token)`` when fewer than two tokens were generated
+        (decode speed is measured from the first generated token to the last)."""
+        if self.generated_tokens < 2 or self.decode_ms <= 0:
+            return f"decode n/a ({self.generated_tokens} token{'' if self.generated_tokens == 1 else 's'})"
+        return f"decode {self.decode_tps:.1f} tokens/s"
 
 
 @dataclass
@@ -210,7 +213,6 @@ class RequestState:
         st.generated_tokens += kept
         st.spec.record(len(drafts), min(verdict.n_accepted, kept))
         self.hidden = out.hidden[min(kept, verdict.n_accepted)] if kept else self.hidden
-        self.drafter.accepted(DraftContext(self.tokens, self.hidden), min(verdict.n_accepted, kept))
         self._t_last = time.perf_counter()
         if self.controller:
             self.controller.update(len(drafts), verdict.n_accepted, t_drafted - t_round, self._t_last - t_round)

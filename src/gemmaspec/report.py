@@ -7,20 +7,12 @@ share them so the two commands print the same thing.
 from __future__ import annotations
 
 
-def decode_part(stats) -> str:
-    """``decode 51.4 tokens/s``, or ``decode n/a (1 token)`` when fewer than two tokens were generated
-    (decode speed is measured from the first generated token to the last)."""
-    if stats.generated_tokens < 2 or stats.decode_ms <= 0:
-        return f"decode n/a ({stats.generated_tokens} token{'' if stats.generated_tokens == 1 else 's'})"
-    return f"decode {stats.decode_tps:.1f} tokens/s"
-
-
 def stats_line(stats, load_s: float | None = None) -> str:
     """One human-readable line: ``load 1.09 s | prompt 13 tokens, prefill 256.0 tokens/s | generated 128
     tokens, decode 51.4 tokens/s | TTFT 51 ms | stop: length | seed 42`` (``load`` only when given)."""
     head = f"load {load_s:.2f} s | " if load_s is not None else ""
     return (f"{head}prompt {stats.prompt_tokens} tokens, prefill {stats.prefill_tps:.1f} tokens/s | "
-            f"generated {stats.generated_tokens} tokens, {decode_part(stats)} | "
+            f"generated {stats.generated_tokens} tokens, {stats.decode_text} | "
             f"TTFT {stats.ttft_ms:.0f} ms | stop: {stats.stop_reason} | seed {stats.seed}")
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from ..config import Gemma4Config
+from ..models.config import Gemma4Config
 from ..errors import InputError, ModelFileError, UnsupportedArchitectureError
 
 ARCH_TARGET, ARCH_ASSISTANT = "gemma4", "gemma4-assistant"

@@ -46,7 +46,6 @@ class LoadedModel:
         config: the typed config (``arch.config_class``).
         model: the built model object (``arch.build``), on the CPU.
         tokenizer: the tokenizer (None for an assistant, which uses its target's).
-        tensor_types: name -> GGML type name as stored (empty for Hugging Face checkpoints).
     """
 
     path: Path
@@ -54,7 +53,6 @@ class LoadedModel:
     config: object
     model: object
     tokenizer: GemmaTokenizer | None
-    tensor_types: dict
 
 
 class GGUFMeta:
@@ -238,7 +236,7 @@ def _save_prepared(dest: Path, loaded: LoadedModel) -> None:
             loaded.tokenizer.save(tmp)
         meta = {"format_version": FORMAT_VERSION, "source": str(loaded.path), "arch": loaded.arch.name,
                 "config": json.loads(loaded.config.to_json()), "layout": layout,
-                "tensor_types": loaded.tensor_types, "tokenizer": loaded.tokenizer is not None}
+                "tokenizer": loaded.tokenizer is not None}
         (tmp / "meta.json").write_text(json.dumps(meta))
         try:
             os.replace(tmp, dest)
@@ -271,7 +269,7 @@ def _load_prepared(dest: Path, path: Path) -> LoadedModel | None:
     except Exception:  # a damaged or outdated cache entry is rebuilt, never trusted
         shutil.rmtree(dest, ignore_errors=True)
         return None
-    return LoadedModel(path, arch, cfg, model, tok, meta["tensor_types"])
+    return LoadedModel(path, arch, cfg, model, tok)
 
 
 def load_gguf(path: str | os.PathLike, use_cache: bool = True) -> LoadedModel:
@@ -299,16 +297,15 @@ def load_gguf(path: str | os.PathLike, use_cache: bool = True) -> LoadedModel:
         print(f"gemmaspec: preparing {path.name} for first use (converting {len(reader.tensors)} tensors"
               f"{', building the tokenizer' if arch.role == 'target' else ''}); later starts reuse the result",
               file=sys.stderr)
-    weights, types = {}, {}
+    weights = {}
     from tqdm import tqdm
 
     for t in tqdm(reader.tensors, desc="converting tensors", unit="tensor", disable=not sys.stderr.isatty(),
                   leave=False):
-        types[t.name] = T(t.tensor_type).name
         weights[t.name] = convert_tensor(t)
     model = build_model(arch, config, weights, path)
     tokenizer = GemmaTokenizer.from_gguf(path, reader) if arch.role == "target" else None
-    loaded = LoadedModel(path, arch, config, model, tokenizer, types)
+    loaded = LoadedModel(path, arch, config, model, tokenizer)
     if use_cache:
         _save_prepared(dest, loaded)
     return loaded

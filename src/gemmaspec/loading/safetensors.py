@@ -118,4 +118,4 @@ def load_hf_dir(path: str | Path):
     model = build_model(arch, config, weights, path)
     has_tok = arch.role == "target" and (path / "tokenizer.json").exists()
     tokenizer = GemmaTokenizer.from_hf_dir(path, cfg) if has_tok else None
-    return LoadedModel(path, arch, config, model, tokenizer, {})
+    return LoadedModel(path, arch, config, model, tokenizer)

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..config import Gemma3Config
+from .config import Gemma3Config
 from ..kernels import SMALL_M, QuantizedWeight
 from ..kv_cache import KVCache
 from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin

@@ -30,7 +30,7 @@ import gguf
 import torch
 import torch.nn.functional as F
 
-from ..config import Gemma4Config
+from .config import Gemma4Config
 from ..kernels import QuantizedWeight
 from ..kv_cache import KVCache
 from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Gemma4AssistantConfig
+from .config import Gemma4AssistantConfig
 from ..kernels import QuantizedWeight
 from .base import apply_rope, attention, linear, rms_norm
 from .gemma4 import gated_mlp, rope_tables
@@ -34,7 +34,7 @@ class Gemma4Assistant:
     """An assistant drafter's weights and its draft step.
 
     Args:
-        config: :class:`~gemmaspec.config.Gemma4AssistantConfig` (its own layers: all KV-shared, no
+        config: :class:`~gemmaspec.models.config.Gemma4AssistantConfig` (its own layers: all KV-shared, no
             PLE/MoE; the target's width; the clustered head's sizes).
         weights: llama.cpp GGUF names (``blk.0.attn_q.weight``, ``nextn.pre_projection.weight``,
             ``masked_embd_centroids.weight``, ...), float32 or block-quantized

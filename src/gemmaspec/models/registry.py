@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..config import Gemma3Config, Gemma4AssistantConfig, Gemma4Config
+from .config import Gemma3Config, Gemma4AssistantConfig, Gemma4Config
 from ..errors import UnsupportedArchitectureError
 from .gemma3 import Gemma3Model
 from .gemma4 import Gemma4Model, hf_to_gguf_name

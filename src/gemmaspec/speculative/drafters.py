@@ -1,6 +1,6 @@
 """Drafters: what proposes tokens for the target to verify.
 
-A drafter only proposes; the engine verifies (:mod:`.verify`) and tells the drafter what was kept.
+A drafter only proposes; the engine verifies (:mod:`.verify`) and keeps the accepted tokens.
 """
 
 from __future__ import annotations
@@ -47,10 +47,6 @@ class Drafter(Protocol):
         """Up to ``n_max`` draft tokens continuing ``ctx.tokens``."""
         ...
 
-    def accepted(self, ctx: DraftContext, n_accepted: int) -> None:
-        """Told after each round: ``ctx.tokens`` now holds the kept tokens; n_accepted drafts survived."""
-        ...
-
     def reset(self) -> None:
         """Forget all per-request state."""
         ...
@@ -63,9 +59,6 @@ class NoDrafter:
 
     def propose(self, ctx: DraftContext, n_max: int) -> Draft:
         return Draft()
-
-    def accepted(self, ctx: DraftContext, n_accepted: int) -> None:
-        pass
 
     def reset(self) -> None:
         pass
@@ -119,9 +112,6 @@ class NgramDrafter:
             if at is not None:
                 return Draft(list(toks[at:at + n_max]))
         return Draft()
-
-    def accepted(self, ctx: DraftContext, n_accepted: int) -> None:
-        pass
 
 
 class DraftModelDrafter:
@@ -184,9 +174,6 @@ class DraftModelDrafter:
             last = tok
         return Draft(drafts)
 
-    def accepted(self, ctx: DraftContext, n_accepted: int) -> None:
-        pass
-
 
 def check_same_vocabulary(target_tok, draft_tok) -> None:
     """Refuse a target/draft pair whose vocabularies differ.
@@ -231,9 +218,6 @@ class MTPDrafter:
         self.producer = {kind: layer for kind, (layer, _, _) in target.kv_layout().items()}
 
     def reset(self) -> None:
-        pass
-
-    def accepted(self, ctx: DraftContext, n_accepted: int) -> None:
         pass
 
     def target_kv(self, p: int) -> dict:

@@ -29,10 +29,6 @@ class Verdict:
     next_token: int
     kind: str  # "recovered" or "bonus"
 
-    @property
-    def recovered(self) -> bool:
-        return self.kind == "recovered"
-
 
 def verify_greedy(target_tokens, drafts) -> Verdict:
     """Greedy verification.

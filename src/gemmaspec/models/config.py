@@ -11,7 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from .errors import ModelFileError
+from ..errors import ModelFileError
 
 
 @dataclass(frozen=True)
