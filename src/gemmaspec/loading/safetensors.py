@@ -114,7 +114,11 @@ def load_hf_dir(path: str | Path):
     weights = {}
     for name, t in tensors.items():
         v = t.load()
-        weights[name] = v.long() if not v.is_floating_point() else v
+        if not v.is_floating_point():
+            v = v.long()
+        elif arch.hf_value is not None:
+            v = arch.hf_value(name, v)
+        weights[name] = v
     model = build_model(arch, config, weights, path)
     has_tok = arch.role == "target" and (path / "tokenizer.json").exists()
     tokenizer = GemmaTokenizer.from_hf_dir(path, cfg) if has_tok else None

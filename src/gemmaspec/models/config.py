@@ -61,6 +61,40 @@ class Gemma3Config:
         return cls(**data)
 
     @classmethod
+    def from_hf(cls, cfg: dict) -> "Gemma3Config":
+        """From a transformers ``config.json`` dict (``Gemma3TextConfig``, or the ``text_config`` of a
+        multimodal ``gemma3`` checkpoint). Reads both RoPE layouts: ``rope_parameters`` per layer type
+        (transformers 5) and ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` (4.x).
+
+        Raises:
+            ValueError: a required key is missing.
+        """
+        c = cfg.get("text_config", cfg)
+        need = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim")
+        missing = [k for k in need if k not in c]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
+        rope = c.get("rope_parameters") or {}
+        full, slide = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        scaling = full or c.get("rope_scaling") or {}
+        factor = float(scaling.get("factor", 1.0)) if scaling.get("rope_type", scaling.get("type")) == "linear" else 1.0
+        types = tuple("full" if t == "full_attention" else "sliding" for t in (c.get("layer_types") or ()))
+        eos = c.get("eos_token_id", 1)
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
+            intermediate_size=c["intermediate_size"], num_heads=c["num_attention_heads"],
+            num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            context_length=c.get("max_position_embeddings", 32768), sliding_window=c.get("sliding_window", 512),
+            rope_theta_global=float(full.get("rope_theta", c.get("rope_theta", 1_000_000.0))),
+            rope_theta_local=float(slide.get("rope_theta", c.get("rope_local_base_freq", 10_000.0))),
+            rope_scaling_factor=factor, query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", c["head_dim"])),
+            sliding_window_pattern=int(c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6)) or 6),
+            final_logit_softcapping=c.get("final_logit_softcapping"), layer_types=types,
+            bos_token_id=c.get("bos_token_id", 2), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+    @classmethod
     def from_gguf(cls, meta) -> "Gemma3Config":
         """From a ``gemma3`` GGUF's metadata (:class:`~gemmaspec.loading.gguf.GGUFMeta`), with the
         Gemma 3 defaults for the keys llama.cpp's converter leaves out (module docstring).

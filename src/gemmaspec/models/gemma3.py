@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import gguf
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +32,31 @@ def _fuse(parts):
         return None
     off = torch.cat([p.offset for p in parts]) if has_off else None
     return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), off, g)
+
+
+_HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+
+
+def hf_to_gguf_name(name: str, n_layers: int) -> str | None:
+    """A Gemma 3 transformers tensor name (text model, or the text part of a multimodal checkpoint)
+    → llama.cpp's GGUF name through ``gguf.TensorNameMap``; None for tensors the text model does not
+    use (vision tower, projector)."""
+    if name != "lm_head.weight":
+        for prefix in _HF_PREFIXES:
+            if name.startswith(prefix):
+                name = "model." + name[len(prefix):]
+                break
+        else:
+            return None
+    base, _, suffix = name.rpartition(".")
+    mapped = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, n_layers).get_name(base)
+    return f"{mapped}.{suffix}" if mapped else None
+
+
+def hf_to_gguf_value(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """transformers' Gemma 3 RMSNorm multiplies by ``1 + weight``; GGUF files (llama.cpp's converter)
+    store ``weight + 1``, which is what this model uses. Other tensors are unchanged."""
+    return tensor + 1.0 if name.endswith("norm.weight") else tensor
 
 
 _LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",

@@ -3,7 +3,7 @@
 One entry per architecture (in the spirit of mlx-lm's one file per model): how to read its typed
 config from GGUF metadata and from a Hugging Face ``config.json``, which class builds it, how a
 Hugging Face checkpoint's tensor names map onto the one naming convention every model here uses
-(llama.cpp's GGUF names, ``blk.N.attn_q.weight``), and its role (a ``target`` generates text; an
+(llama.cpp's GGUF names, ``blk.N.attn_q.weight``; plus any value fix, such as Gemma 3's norms), and its role (a ``target`` generates text; an
 ``assistant`` only drafts for a target, ``--spec-type draft-mtp``).
 
 The loaders (:mod:`gemmaspec.loading`) look architectures up here and hand back built model objects;
@@ -17,7 +17,8 @@ from typing import Callable
 
 from .config import Gemma3Config, Gemma4AssistantConfig, Gemma4Config
 from ..errors import UnsupportedArchitectureError
-from .gemma3 import Gemma3Model
+from .gemma3 import Gemma3Model, hf_to_gguf_value
+from .gemma3 import hf_to_gguf_name as gemma3_hf_name
 from .gemma4 import Gemma4Model, hf_to_gguf_name
 from .gemma4_assistant import Gemma4Assistant
 
@@ -35,6 +36,8 @@ class Architecture:
         hf_model_types: ``config.json`` ``model_type`` values this entry reads (empty: GGUF only).
         hf_name: ``(checkpoint tensor name, config) -> GGUF name``, or None for a tensor the model
             does not use (the ``sanitize`` step).
+        hf_value: ``(GGUF name, float32 tensor) -> tensor``: a value fix a checkpoint's convention
+            needs (Gemma 3 norms: ``1 + weight``); None: values are used as stored.
     """
 
     name: str
@@ -43,6 +46,7 @@ class Architecture:
     build: Callable
     hf_model_types: tuple[str, ...] = ()
     hf_name: Callable | None = None
+    hf_value: Callable | None = None
 
     def config_from_hf(self, cfg: dict):
         """The typed config from a ``config.json`` dict.
@@ -60,7 +64,9 @@ def _layers(config) -> int:
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
-        Architecture("gemma3", "target", Gemma3Config, Gemma3Model),
+        Architecture("gemma3", "target", Gemma3Config, Gemma3Model, hf_model_types=("gemma3_text", "gemma3"),
+                     hf_name=lambda name, config: gemma3_hf_name(name, config.num_layers),
+                     hf_value=hf_to_gguf_value),
         Architecture("gemma4", "target", Gemma4Config, Gemma4Model,
                      hf_model_types=("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"),
                      hf_name=lambda name, config: hf_to_gguf_name(name, config.num_layers)),
@@ -94,5 +100,4 @@ def by_hf_model_type(model_type, where: str = "") -> Architecture:
             return arch
     known = [t for a in ARCHITECTURES.values() for t in a.hf_model_types]
     raise UnsupportedArchitectureError(
-        f"{where}: model_type '{model_type}' is not supported in Hugging Face form; supported: {', '.join(known)}"
-        " (Gemma 3 loads from GGUF files)")
+        f"{where}: model_type '{model_type}' is not supported; supported: {', '.join(known)}")
