@@ -60,10 +60,13 @@ def test_draft_mtp_output_equals_plain(tiny_dirs):
     assert m and int(m.group(1)) > 0, last  # the assistant really drafted
 
 
-def test_draft_mtp_refuses_gemma3_target(tiny_dirs, model_path):
+def test_draft_mtp_refuses_an_assistant_of_another_target(tiny_dirs, model_path):
+    """The default Gemma 3 model can feed an MTP assistant (it has the KV layout an assistant reads),
+    but not one trained for another target: the pairing check names each mismatch."""
     res = run_cli("generate", "-m", str(model_path), "-md", str(tiny_dirs["assistant"]), "--spec-type", "draft-mtp",
                   "-p", "x")
-    assert res.returncode == 1 and "needs a Gemma 4 target" in res.stderr
+    assert res.returncode == 1 and "does not belong to this target" in res.stderr
+    assert "target of width 32, this target's width is 640" in res.stderr and "head dims differ" in res.stderr
 
 
 def test_server_serves_gemma4_with_draft_mtp(tiny_dirs, tmp_path):

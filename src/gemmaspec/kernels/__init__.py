@@ -9,8 +9,8 @@ Q4_K, Q5_K and Q6_K blocks all convert to this form without rounding
 Products with few rows (decode, speculative verify: M <= ``SMALL_M``) run in ``qmatmul.c``, a C
 kernel compiled once per machine into the gemmaspec cache with the system C compiler (``cc``); it
 reads the int8 weights straight from memory and multiplies them with fp32 activations (activations
-are never quantized). Larger products (prefill) dequantize to fp32 and use ``torch.nn.functional
-.linear``. Without a C compiler, or with ``GEMMASPEC_NO_KERNELS=1``, every product uses the
+are never quantized). Larger products (prefill) dequantize a tile of rows at a time into a reused
+fp32 buffer and use PyTorch's matmul. Without a C compiler, or with ``GEMMASPEC_NO_KERNELS=1``, every product uses the
 dequantized fp32 matrix, kept in memory: correct, slower, four times the memory.
 """
 
@@ -35,20 +35,52 @@ from ..paths import cache_home
 log = logging.getLogger(__name__)
 
 SMALL_M = 16  # at most this many rows go through the C kernel
+TILE_BYTES = 16 << 20  # float32 bytes of a weight dequantized at once for a many-row product
 _SRC = Path(__file__).with_name("qmatmul.c")
 _lib = None
 _lib_tried = False
 _lock = threading.Lock()
 
 
-def _compile(src: Path, out: Path) -> None:
+ISAS = ("auto", "avx512", "avx2", "portable")
+_ISA_FLAGS = {"auto": [], "avx512": [], "avx2": ["-mno-avx512f"], "portable": ["-DGS_PORTABLE"]}
+_ISA_NEEDS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma")}
+
+
+def isa_choice() -> str:
+    """The kernel instruction set asked for with ``GEMMASPEC_ISA`` (``auto``: the best this CPU has;
+    ``avx2`` builds the AVX2+FMA path even on an AVX-512 CPU, to test and measure it; ``portable``
+    the plain C path). An unknown value, or one this CPU cannot run, falls back to ``auto`` with a
+    warning."""
+    isa = os.environ.get("GEMMASPEC_ISA", "auto").strip().lower() or "auto"
+    if isa not in ISAS:
+        log.warning("gemmaspec: GEMMASPEC_ISA=%s is not one of %s; using auto", isa, ", ".join(ISAS))
+        return "auto"
+    if not cpu_supports(isa):
+        log.warning("gemmaspec: GEMMASPEC_ISA=%s but this CPU lacks %s; using auto", isa, "/".join(_ISA_NEEDS[isa]))
+        return "auto"
+    return isa
+
+
+def cpu_supports(isa: str) -> bool:
+    """Whether this CPU can run kernels built for ``isa`` (from its feature flags; ``auto`` and
+    ``portable`` always)."""
+    flags = set(_cpu_flags().split())
+    return all(f in flags for f in _ISA_NEEDS.get(isa, ()))
+
+
+def _flags(isa: str) -> list[str]:
+    return ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *_ISA_FLAGS[isa]]
+
+
+def _compile(src: Path, out: Path, isa: str = "auto") -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler (cc or gcc) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        cmd = [cc, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(tmp_so)]
+        cmd = [cc, *_flags(isa), "-shared", "-fPIC", str(src), "-o", str(tmp_so), "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:500]}")
@@ -67,7 +99,7 @@ def _cpu_flags() -> str:
     return ""
 
 
-def compiled_library(src: Path):
+def compiled_library(src: Path, isa: str = "auto"):
     """``src`` (a C file beside this module) compiled into the gemmaspec cache and loaded as a
     ``ctypes.CDLL``, or None when it cannot be had (no compiler, a broken build,
     ``GEMMASPEC_NO_KERNELS=1``). Compiles on first use (about 1 s) into ``<cache>/kernels/``; the file
@@ -76,7 +108,7 @@ def compiled_library(src: Path):
     if os.environ.get("GEMMASPEC_NO_KERNELS") == "1":
         return None
     key = hashlib.sha256(
-        src.read_bytes() + f"|-O3 -march=native -ffp-contract=off -fopenmp|{os.uname().machine}|{_cpu_flags()}".encode()
+        src.read_bytes() + f"|{' '.join(_flags(isa))}|{os.uname().machine}|{_cpu_flags()}".encode()
     ).hexdigest()[:16]
     so = cache_home() / "kernels" / f"{src.stem}-{key}.so"
     try:
@@ -84,7 +116,7 @@ def compiled_library(src: Path):
             if sys.stderr.isatty():
                 print(f"gemmaspec: compiling the C kernel {src.name} for this CPU (once, a few seconds)",
                       file=sys.stderr, flush=True)
-            _compile(src, so)
+            _compile(src, so, isa)
         return ctypes.CDLL(str(so))
     except OSError as exc:  # no compiler, or a broken build: the caller falls back
         log.warning("gemmaspec: C kernel %s unavailable (%s); using the slower fallback", src.name, exc)
@@ -101,18 +133,33 @@ def load_library():
         if _lib_tried:
             return _lib
         _lib_tried = True
-        lib = compiled_library(_SRC)
-        if lib is None:
-            return None
-        P, I = ctypes.c_void_p, ctypes.c_int
-        lib.gs_qmatmul.argtypes = [P, P, P, I, I, I, P, P, I, P, I]
-        lib.gs_qmatmul.restype = None
-        lib.gs_dequant.argtypes = [P, P, P, I, I, I, P, I]
-        lib.gs_dequant.restype = None
-        lib.gs_block_sums.argtypes = [P, I, I, I, P]
-        lib.gs_block_sums.restype = None
-        _lib = lib
+        _lib = matmul_library(isa_choice())
         return _lib
+
+
+def matmul_library(isa: str = "auto"):
+    """``qmatmul.c`` built for ``isa`` (see :data:`ISAS`) with its functions' signatures set, or None
+    (see :func:`compiled_library`). ``lib.gs_isa()`` says which path was compiled in."""
+    lib = compiled_library(_SRC, isa)
+    if lib is None:
+        return None
+    P, I = ctypes.c_void_p, ctypes.c_int
+    lib.gs_qmatmul.argtypes = [P, P, P, I, I, I, P, P, I, P, I]
+    lib.gs_qmatmul.restype = None
+    lib.gs_dequant.argtypes = [P, P, P, I, I, I, P, I]
+    lib.gs_dequant.restype = None
+    lib.gs_block_sums.argtypes = [P, I, I, I, P]
+    lib.gs_block_sums.restype = None
+    lib.gs_isa.argtypes = []
+    lib.gs_isa.restype = ctypes.c_char_p
+    return lib
+
+
+def kernel_isa() -> str:
+    """The instruction-set path of the loaded kernel (``avx512``, ``avx2``, ``portable``), or ``none``
+    when no kernel could be built (dense PyTorch fallback)."""
+    lib = load_library()
+    return lib.gs_isa().decode() if lib is not None else "none"
 
 
 def _ptr(t: torch.Tensor | None):
@@ -165,6 +212,24 @@ class QuantizedWeight:
             w = w + self.offset[..., None]
         return w.view(n, k)
 
+    def _tiled(self, lib, x2: torch.Tensor) -> torch.Tensor:
+        """x2 float32 [M, K] @ W.T for many rows (prefill): ``TILE_BYTES`` of W at a time is dequantized
+        into one reused float32 buffer and multiplied with PyTorch's matmul, so no product widens the
+        whole matrix (the 262,144 x 640 head would be 670 MB as float32)."""
+        n, k = self.q.shape
+        nb = k // self.group
+        rows = max(1, min(n, TILE_BYTES // (4 * k)))
+        buf = torch.empty(rows, k, dtype=torch.float32)
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        for n0 in range(0, n, rows):
+            r = min(rows, n - n0)
+            off = None if self.offset is None else ctypes.c_void_p(self.offset.data_ptr() + 4 * n0 * nb)
+            lib.gs_dequant(ctypes.c_void_p(self.q.data_ptr() + n0 * k), ctypes.c_void_p(self.scale.data_ptr() + 4 * n0 * nb),
+                           off, r, k, self.group, _ptr(buf), threads)
+            y[:, n0:n0 + r] = x2 @ buf[:r].T
+        return y
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W as float32 [*ids.shape, K] (an embedding lookup)."""
         n, k = self.q.shape
@@ -186,11 +251,12 @@ class QuantizedWeight:
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
         lib = load_library() if x.device.type == "cpu" else None
-        if lib is None or m > SMALL_M:
-            if self._dense is None and (lib is None):
+        if lib is None:
+            if self._dense is None:
                 self._dense = self.dequantize()  # no kernel: keep the fp32 matrix
-            w = self._dense if self._dense is not None else self.dequantize()
-            return F.linear(x, w)
+            return F.linear(x, self._dense)
+        if m > SMALL_M:
+            return self._tiled(lib, x2.float().contiguous()).view(*lead, n)
         x2 = x2.float().contiguous()
         xsum = None
         if self.offset is not None:

@@ -11,17 +11,41 @@
  * y[m, n] = sum_k x[m, k] * W[n, k]   (fp32 accumulation; activations are never quantized).
  *
  * The per-(m, n) order of operations does not depend on M: a row of x gives bit-identical output
- * whether it is multiplied alone or with other rows (batch invariance).
+ * whether it is multiplied alone or with other rows (batch invariance). It does not depend on the
+ * instruction set either: every path (AVX-512, AVX2+FMA, portable C) computes each output as 16
+ * lane accumulators, lane u of block b adding scale * (q0*x0 + q1*x1) (G = 32: one multiply, then
+ * fused multiply-adds) or fma(q*scale, x, acc) (G = 16), and reduces the 16 lanes in the same tree
+ * (reduce16), so a machine's results do not depend on which path it was built with.
+ *
+ * Paths: AVX-512F when the compiler targets it (and GS_NO_AVX512 is not defined), else AVX2+FMA,
+ * else portable C (also forced with -DGS_PORTABLE). gemmaspec.kernels builds with -march=native;
+ * GEMMASPEC_ISA=avx2 adds -mno-avx512f so the AVX2 path can be built and measured on an AVX-512 CPU.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if !defined(GS_PORTABLE) && defined(__AVX512F__) && !defined(GS_NO_AVX512)
+#define GS_AVX512 1
+#elif !defined(GS_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
+#define GS_AVX2 1
+#endif
+#if defined(GS_AVX512) || defined(GS_AVX2)
 #include <immintrin.h>
 #endif
 
+const char *gs_isa(void) {
+#if defined(GS_AVX512)
+    return "avx512";
+#elif defined(GS_AVX2)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
+
 #define MB 4        /* rows of x held in registers together */
 #define RS 8        /* stride of the per-tile result buffer (most rows of x per pass) */
-#ifdef __AVX512F__
+#ifdef GS_AVX512
 #define MCHUNK 8    /* rows of x per pass over the weights: 1-4 in registers, 5-8 re-read from L1 */
 #else
 #define MCHUNK 4
@@ -40,7 +64,23 @@ static void offsets_term(const float *o, int nb, const float *xsum, int M, float
     }
 }
 
-#ifdef __AVX512F__
+/* The 16-lane reduction every path uses: (hi8 + lo8), then (hi4 + lo4), then lanes {0+2, 1+3}, then
+ * their sum (the tree GCC's _mm512_reduce_add_ps uses, written out so every compiler and ISA agrees). */
+static inline float reduce16_scalar(const float a[16]) {
+    float t3[8], t6[4];
+    for (int i = 0; i < 8; i++) t3[i] = a[i + 8] + a[i];
+    for (int j = 0; j < 4; j++) t6[j] = t3[j + 4] + t3[j];
+    return (t6[0] + t6[2]) + (t6[1] + t6[3]);
+}
+
+#if defined(GS_AVX512) || defined(GS_AVX2)
+static inline float reduce16(__m256 lo, __m256 hi) {
+    const __m256 t3 = _mm256_add_ps(hi, lo);
+    const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
 /* Prefetch the weight and scale streams of nr rows ahead of block b (every 64 bytes of q). */
 static inline __attribute__((always_inline)) void prefetch_rows(const int8_t *const qr[], const float *const sr[],
                                                                 int nr, int b, int G) {
@@ -50,6 +90,12 @@ static inline __attribute__((always_inline)) void prefetch_rows(const int8_t *co
         _mm_prefetch((const char *)(qr[r] + k + PF_BYTES), _MM_HINT_T0);
         if ((b & 15) == 0) _mm_prefetch((const char *)(sr[r] + b + PF_BYTES * 4 / G), _MM_HINT_T0);
     }
+}
+#endif
+
+#ifdef GS_AVX512
+static inline float reduce512(__m512 a) {
+    return reduce16(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
 static inline __m512 load16(const int8_t *p) {
@@ -98,7 +144,7 @@ static inline __attribute__((always_inline)) void tile_dot(const int8_t *const q
         }
     }
     for (int r = 0; r < NR; r++)
-        for (int m = 0; m < M; m++) res[r * RS + m] = _mm512_reduce_add_ps(acc[r][m]);
+        for (int m = 0; m < M; m++) res[r * RS + m] = reduce512(acc[r][m]);
 }
 
 /* Same arithmetic as tile_dot for 2 rows of q and M = 5..8 rows of x (x re-read from L1 instead of
@@ -137,36 +183,109 @@ static inline __attribute__((always_inline)) void tile_dot_wide(const int8_t *co
         }
     }
     for (int r = 0; r < 2; r++)
-        for (int m = 0; m < M; m++) res[r * MW + m] = _mm512_reduce_add_ps(acc[r][m]);
+        for (int m = 0; m < M; m++) res[r * MW + m] = reduce512(acc[r][m]);
+}
+#elif defined(GS_AVX2)
+static inline __m256 load8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* R rows of q (R * M <= 4: 8 accumulator registers of the 16 AVX2 has) against M rows of x. Each
+ * 16-lane accumulator of the AVX-512 path is a (lo, hi) pair of 8-lane registers here, with the same
+ * operations per lane, so results are bit-identical to it. R and M are compile-time constants at
+ * each call site. */
+static inline __attribute__((always_inline)) void tile_avx2(const int8_t *const qr[], const float *const sr[],
+                                                            const int R, int K, int G, const float *x, long ldx,
+                                                            const int M, float *res) {
+    __m256 lo[4][4], hi[4][4];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) lo[r][m] = hi[r][m] = _mm256_setzero_ps();
+    const int nb = K / G;
+    if (G == 32) {
+        for (int b = 0; b < nb; b++) {
+            const int k = b * 32;
+            prefetch_rows(qr, sr, R, b, 32);
+            for (int r = 0; r < R; r++) {
+                const int8_t *q = qr[r] + k;
+                const __m256 w0l = load8(q), w0h = load8(q + 8), w1l = load8(q + 16), w1h = load8(q + 24);
+                const __m256 sc = _mm256_set1_ps(sr[r][b]);
+                for (int m = 0; m < M; m++) {
+                    const float *xp = x + m * ldx + k;
+                    __m256 tl = _mm256_mul_ps(w0l, _mm256_loadu_ps(xp));
+                    __m256 th = _mm256_mul_ps(w0h, _mm256_loadu_ps(xp + 8));
+                    tl = _mm256_fmadd_ps(w1l, _mm256_loadu_ps(xp + 16), tl);
+                    th = _mm256_fmadd_ps(w1h, _mm256_loadu_ps(xp + 24), th);
+                    lo[r][m] = _mm256_fmadd_ps(tl, sc, lo[r][m]);
+                    hi[r][m] = _mm256_fmadd_ps(th, sc, hi[r][m]);
+                }
+            }
+        }
+    } else { /* G == 16 */
+        for (int b = 0; b < nb; b++) {
+            const int k = b * 16;
+            prefetch_rows(qr, sr, R, b, 16);
+            for (int r = 0; r < R; r++) {
+                const __m256 sc = _mm256_set1_ps(sr[r][b]);
+                const __m256 wl = _mm256_mul_ps(load8(qr[r] + k), sc), wh = _mm256_mul_ps(load8(qr[r] + k + 8), sc);
+                for (int m = 0; m < M; m++) {
+                    const float *xp = x + m * ldx + k;
+                    lo[r][m] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xp), lo[r][m]);
+                    hi[r][m] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xp + 8), hi[r][m]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) res[r * RS + m] = reduce16(lo[r][m], hi[r][m]);
 }
 #else
-static inline void tile_dot(const int8_t *const qr[NR], const float *const sr[NR], int K, int G,
-                            const float *x, long ldx, const int M, float *res) {
+/* Portable C: the same per-lane operations (fmaf is a fused multiply-add, as the SIMD paths use) and
+ * the same reduction, one row of q at a time. The reference the SIMD paths are tested against. */
+static void tile_portable(const int8_t *q, const float *s, int K, int G, const float *x, long ldx, int M,
+                          float *res) {
     const int nb = K / G;
-    for (int r = 0; r < NR; r++) {
-        float acc[MB][16] = {{0}};
+    for (int m = 0; m < M; m++) {
+        float acc[16] = {0};
+        const float *xm = x + m * ldx;
         for (int b = 0; b < nb; b++) {
-            float t[MB][16] = {{0}};
-            for (int j = 0; j < G; j += 16) {
-                const int k = b * G + j;
-                for (int m = 0; m < M; m++)
-                    for (int u = 0; u < 16; u++) t[m][u] += (float)qr[r][k + u] * x[m * ldx + k + u];
+            const int k = b * G;
+            const float sc = s[b];
+            for (int u = 0; u < 16; u++) {
+                if (G == 32) {
+                    float t = (float)q[k + u] * xm[k + u];
+                    t = fmaf((float)q[k + 16 + u], xm[k + 16 + u], t);
+                    acc[u] = fmaf(t, sc, acc[u]);
+                } else {
+                    acc[u] = fmaf((float)q[k + u] * sc, xm[k + u], acc[u]);
+                }
             }
-            for (int m = 0; m < M; m++)
-                for (int u = 0; u < 16; u++) acc[m][u] += t[m][u] * sr[r][b];
         }
-        for (int m = 0; m < M; m++) {
-            float v = 0.f;
-            for (int u = 0; u < 16; u++) v += acc[m][u];
-            res[r * RS + m] = v;
-        }
+        res[m] = reduce16_scalar(acc);
     }
 }
 #endif
 
 static void tile_dispatch(const int8_t *const qr[NR], const float *const sr[NR], int K, int G,
                           const float *x, long ldx, int M, float *res) {
-#ifdef __AVX512F__
+#if defined(GS_AVX2)
+    switch (M) { /* M <= MCHUNK = 4; R * M <= 4 keeps the accumulators in registers */
+        case 1: tile_avx2(qr, sr, 4, K, G, x, ldx, 1, res); break;
+        case 2:
+            tile_avx2(qr, sr, 2, K, G, x, ldx, 2, res);
+            tile_avx2(qr + 2, sr + 2, 2, K, G, x, ldx, 2, res + 2 * RS);
+            break;
+        case 3:
+            for (int r = 0; r < NR; r++) tile_avx2(qr + r, sr + r, 1, K, G, x, ldx, 3, res + r * RS);
+            break;
+        default:
+            for (int r = 0; r < NR; r++) tile_avx2(qr + r, sr + r, 1, K, G, x, ldx, 4, res + r * RS);
+            break;
+    }
+    return;
+#elif !defined(GS_AVX512)
+    for (int r = 0; r < NR; r++) tile_portable(qr[r], sr[r], K, G, x, ldx, M, res + r * RS);
+    return;
+#else
     if (M > MB) { /* 5..8 rows: weights converted once for all of them, two q rows at a time */
         float w[2 * MW];
         for (int r0 = 0; r0 < NR; r0 += 2) {
@@ -181,13 +300,13 @@ static void tile_dispatch(const int8_t *const qr[NR], const float *const sr[NR],
         }
         return;
     }
-#endif
     switch (M) {
         case 1: tile_dot(qr, sr, K, G, x, ldx, 1, res); break;
         case 2: tile_dot(qr, sr, K, G, x, ldx, 2, res); break;
         case 3: tile_dot(qr, sr, K, G, x, ldx, 3, res); break;
         default: tile_dot(qr, sr, K, G, x, ldx, 4, res); break;
     }
+#endif
 }
 
 /* xsum[m, b] = sum of x[m, b*G : (b+1)*G]; needed only when offsets are present. */
