@@ -192,7 +192,7 @@ def test_metrics_rise_by_the_requests_counts(server, client):
 def test_each_request_logs_its_speed_and_acceptance(server, client):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0)
     line = next(ln for ln in server.log().splitlines() if r.id in ln)
-    assert re.search(r"generated \d+ tokens, [\d.]+ tokens/s", line)
+    assert re.search(r"generated \d+ tokens, decode [\d.]+ tokens/s", line)
     assert re.search(r"draft acceptance = [\d.]+ \( *\d+ accepted / +\d+ generated\), mean len = +[\d.]+", line)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -26,13 +27,29 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyper-threads of one core counted once), from Linux's
+    CPU topology; the number of usable CPUs where the topology cannot be read."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_cpus_list").read_text().strip())
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
 def set_threads(threads: int | None) -> None:
-    """Use ``threads`` CPU threads (default: all cores this process may run on)."""
+    """Use ``threads`` CPU threads (``-t``; default: the physical cores this process may run on, since
+    a second hyper-thread of a core adds no memory bandwidth to a memory-bound decode).
+
+    Raises:
+        InputError: threads < 1.
+    """
     if threads is not None and threads < 1:
         raise InputError(f"threads must be >= 1 (got {threads})")
-    if threads is None:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads if threads is not None else physical_cores())
 
 
 def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", threads: int | None = None) -> Engine:

@@ -1,0 +1,106 @@
+"""Every instruction-set path of the C kernel (AVX-512, AVX2+FMA, portable C) computes the same bits:
+the portable path is the reference, and each SIMD path this CPU can run is built and compared with it
+(``GEMMASPEC_ISA`` chooses the path at run time)."""
+
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gemmaspec import kernels
+
+SIMD = [isa for isa in ("avx512", "avx2") if kernels.cpu_supports(isa)]
+
+
+@pytest.fixture(scope="module")
+def libs():
+    ref = kernels.matmul_library("portable")
+    if ref is None:
+        pytest.skip("no C compiler: kernels fall back to torch")
+    built = {isa: kernels.matmul_library(isa) for isa in SIMD}
+    for isa, lib in built.items():
+        assert lib.gs_isa().decode() == isa  # the switch really built that path
+    assert ref.gs_isa().decode() == "portable"
+    return ref, built
+
+
+def _run(lib, q, s, o, x, threads):
+    n, k = q.shape
+    m = x.shape[0]
+    g = k // s.shape[1]
+    xsum = None
+    if o is not None:
+        xsum = np.empty((m, k // g), np.float32)
+        lib.gs_block_sums(x.ctypes.data, m, k, g, xsum.ctypes.data)
+    y = np.empty((m, n), np.float32)
+    lib.gs_qmatmul(q.ctypes.data, s.ctypes.data, None if o is None else o.ctypes.data, n, k, g, x.ctypes.data,
+                   None if xsum is None else xsum.ctypes.data, m, y.ctypes.data, threads)
+    return y
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 70), blocks=st.integers(1, 9), group=st.sampled_from([16, 32]),
+       m=st.integers(1, 16), offset=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_simd_paths_equal_the_portable_reference(libs, n, blocks, group, m, offset, threads, seed):
+    ref, built = libs
+    if not built:
+        pytest.skip("this CPU has neither AVX2+FMA nor AVX-512")
+    rng = np.random.default_rng(seed)
+    k = blocks * group
+    q = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    s = rng.standard_normal((n, blocks)).astype(np.float32)
+    o = rng.standard_normal((n, blocks)).astype(np.float32) if offset else None
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = _run(ref, q, s, o, x, threads)
+    for isa, lib in built.items():
+        got = _run(lib, q, s, o, x, threads)
+        assert np.array_equal(got.view(np.int32), want.view(np.int32)), isa
+    # batch invariance within a path: each row alone gives the same bits
+    for i in range(m):
+        assert np.array_equal(_run(ref, q, s, o, x[i:i + 1].copy(), threads).view(np.int32), want[i:i + 1].view(np.int32))
+
+
+def test_reference_is_the_exact_product_up_to_rounding(libs):
+    """The portable reference itself computes x @ W.T (float64 check), so equality above means something."""
+    ref, _ = libs
+    rng = np.random.default_rng(1)
+    q = rng.integers(-8, 8, (33, 96), dtype=np.int8)
+    s = rng.random((33, 3)).astype(np.float32)
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    w = (q.reshape(33, 3, 32) * s[..., None]).reshape(33, 96).astype(np.float64)
+    got = _run(ref, q, s, None, x, 1)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_isa_falls_back_to_auto(monkeypatch):
+    monkeypatch.setenv("GEMMASPEC_ISA", "sse9")
+    assert kernels.isa_choice() == "auto"
+    monkeypatch.setenv("GEMMASPEC_ISA", "portable")
+    assert kernels.isa_choice() == "portable"
+
+
+def test_prefill_dequantizes_a_tile_at_a_time(monkeypatch):
+    """A many-row product never widens the whole matrix: only TILE_BYTES of float32 at a time."""
+    if kernels.load_library() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(0)
+    w = kernels.QuantizedWeight(torch.randint(-8, 8, (1000, 64), dtype=torch.int8, generator=g),
+                                torch.rand(1000, 2, generator=g), torch.rand(1000, 2, generator=g), 32)
+    x = torch.randn(40, 64, generator=g)
+    monkeypatch.setattr(kernels, "TILE_BYTES", 64 * 4 * 300)  # 300 rows per tile: 4 tiles, the last partial
+    widest = []
+    real = kernels.torch.empty
+
+    def spy(*shape, **kw):
+        t = real(*shape, **kw)
+        if len(shape) == 2 and shape[1] == 64:
+            widest.append(shape[0])
+        return t
+
+    monkeypatch.setattr(kernels.torch, "empty", spy)
+    got = w(x)
+    monkeypatch.undo()
+    assert widest == [300]
+    torch.testing.assert_close(got, x @ w.dequantize().T, rtol=1e-6, atol=1e-6)
