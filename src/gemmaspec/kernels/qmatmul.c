@@ -325,7 +325,7 @@ void gs_qmatmul(const int8_t *q, const float *s, const float *o, int N, int K, i
                 const float *x, const float *xsum, int M, float *y, int nthreads) {
     const int nb = K / G;
     const int ntiles = (N + NTILE - 1) / NTILE;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int t = 0; t < ntiles; t++) {
         const int n0 = t * NTILE, n1 = n0 + NTILE < N ? n0 + NTILE : N;
         for (int m0 = 0; m0 < M; m0 += MCHUNK) {
@@ -354,7 +354,7 @@ void gs_qmatmul(const int8_t *q, const float *s, const float *o, int N, int K, i
 void gs_dequant(const int8_t *q, const float *s, const float *o, int N, int K, int G, float *out,
                 int nthreads) {
     const int nb = K / G;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(dynamic, 64) num_threads(nthreads)
     for (int n = 0; n < N; n++)
         for (int b = 0; b < nb; b++) {
             const float sc = s[(long)n * nb + b], of = o ? o[(long)n * nb + b] : 0.f;
