@@ -4,7 +4,9 @@ A :class:`QuantizedWeight` holds a weight matrix W [N, K] as int8 values ``q`` [
 ``scale`` [N, K/G] and an optional fp32 ``offset`` [N, K/G] (G = 16 or 32 values per block), so that
 ``W[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G]``. GGML's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 Q4_K, Q5_K and Q6_K blocks all convert to this form without rounding
-(:mod:`gemmaspec.loading.ggml_blocks`).
+(:mod:`gemmaspec.loading.ggml_blocks`). A :class:`Q4_0Weight` keeps Q4_0 blocks as stored in the file
+(half the memory of the int8 form) and multiplies them with the same bits as the int8 form. Both are
+:class:`BlockWeight`\ s.
 
 Products with few rows (decode, speculative verify: M <= ``SMALL_M``) run in ``qmatmul.c``, a C
 kernel compiled once per machine into the gemmaspec cache with the system C compiler (``cc``); it
@@ -148,6 +150,10 @@ def matmul_library(isa: str = "auto"):
     lib.gs_qmatmul.restype = None
     lib.gs_dequant.argtypes = [P, P, P, I, I, I, P, I]
     lib.gs_dequant.restype = None
+    lib.gs_qmatmul_q4_0.argtypes = [P, I, I, P, I, P, I]
+    lib.gs_qmatmul_q4_0.restype = None
+    lib.gs_dequant_q4_0.argtypes = [P, I, I, I, P, I]
+    lib.gs_dequant_q4_0.restype = None
     lib.gs_block_sums.argtypes = [P, I, I, I, P]
     lib.gs_block_sums.restype = None
     lib.gs_isa.argtypes = []
@@ -166,7 +172,16 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-class QuantizedWeight:
+class BlockWeight:
+    """What every block-quantized weight matrix W [N, K] offers (:class:`QuantizedWeight`,
+    :class:`Q4_0Weight`): ``shape``, ``nbytes`` (memory held), ``dequantize()`` (float32 [N, K]),
+    ``rows(ids)`` (embedding lookup, float32 [*ids.shape, K]), ``to(device)`` and ``w(x)`` = x @ W.T.
+    Test ``isinstance(w, BlockWeight)`` to tell a quantized weight from a dense tensor."""
+
+    shape: tuple[int, int]
+
+
+class QuantizedWeight(BlockWeight):
     """A weight matrix W [N, K] stored as int8 blocks (see the module docstring).
 
     Args:
@@ -265,4 +280,119 @@ class QuantizedWeight:
         y = torch.empty(m, n, dtype=torch.float32)
         lib.gs_qmatmul(_ptr(self.q), _ptr(self.scale), _ptr(self.offset), n, k, self.group, _ptr(x2),
                        _ptr(xsum), m, _ptr(y), torch.get_num_threads())
+        return y.view(*lead, n)
+
+
+Q4_0_BLOCK = 18  # bytes of a ggml block_q4_0: fp16 d, then 16 bytes holding 32 4-bit values
+
+
+class Q4_0Weight(BlockWeight):
+    """A weight matrix W [N, K] kept as the GGUF's Q4_0 blocks (0.5625 bytes per weight, half the
+    int8 form): per 32 values along K, 18 bytes = fp16 ``d`` + 16 bytes whose low nibbles are values
+    0-15 and high nibbles values 16-31; ``W = d * (nibble - 8)``.
+
+    Products are bit-identical to a :class:`QuantizedWeight` of the same values (int8 levels
+    ``nibble - 8``, scale ``d``, group 32): the C kernel (``gs_qmatmul_q4_0``) unpacks the nibbles in
+    registers and runs the int8 path's operations. Without a C kernel W is dequantized once and kept
+    as float32 (correct, slower).
+
+    Args:
+        raw: uint8 [N, K / 32 * 18], the tensor's bytes as stored in the file.
+        k: K, the row length in values (a multiple of 32).
+
+    Raises:
+        ValueError: a dtype or byte count that does not fit [N, K].
+    """
+
+    def __init__(self, raw: torch.Tensor, k: int):
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or k % 32 or raw.shape[1] != k // 32 * Q4_0_BLOCK:
+            raise ValueError(f"bad Q4_0 weight: raw {raw.dtype} {tuple(raw.shape)} for rows of {k} values "
+                             f"(need uint8 [N, {k // 32 * Q4_0_BLOCK}], K a multiple of 32)")
+        self.raw, self.k = raw.contiguous(), k
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def levels(self, raw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q, d)``: int8 levels nibble - 8 [R, K] and float32 scales [R, K / 32] of ``raw`` (uint8
+        [R, K / 32 * 18] rows of blocks; default: all of W), the :class:`QuantizedWeight` form."""
+        raw = self.raw if raw is None else raw
+        n, nb = raw.shape[0], self.k // 32
+        b = raw.reshape(n, nb, Q4_0_BLOCK)
+        d = b[..., :2].contiguous().view(torch.float16)[..., 0].float()
+        qs = b[..., 2:]
+        q = (torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int8) - 8).reshape(n, self.k)
+        return q, d
+
+    def to_int8(self) -> QuantizedWeight:
+        """The same weights as a :class:`QuantizedWeight` (int8 levels, group 32): twice the memory."""
+        q, d = self.levels()
+        return QuantizedWeight(q, d, None, 32)
+
+    def dequantize(self) -> torch.Tensor:
+        """W as float32 [N, K]."""
+        n, k = self.shape
+        lib = load_library() if self.raw.device.type == "cpu" else None
+        if lib is not None:
+            out = torch.empty(n, k, dtype=torch.float32)
+            lib.gs_dequant_q4_0(_ptr(self.raw), 0, n, k, _ptr(out), torch.get_num_threads())
+            return out
+        return self.rows(torch.arange(n, device=self.raw.device))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W as float32 [*ids.shape, K] (an embedding lookup); only those rows are
+        unpacked."""
+        q, d = self.levels(self.raw[ids.reshape(-1)])
+        w = q.view(-1, self.k // 32, 32).float() * d[..., None]
+        return w.view(*ids.shape, self.k)
+
+    def to(self, device: torch.device | str) -> BlockWeight:
+        """On the CPU: a Q4_0Weight there; elsewhere (no Q4_0 kernel) the :class:`QuantizedWeight`
+        form on ``device``."""
+        d = torch.device(device)
+        if d.type == "cpu":
+            return Q4_0Weight(self.raw.to(d), self.k)
+        return self.to_int8().to(d)
+
+    @staticmethod
+    def cat(parts: list["Q4_0Weight"]) -> "Q4_0Weight":
+        """The rows of ``parts`` (same K) stacked along N, so one kernel call computes them all."""
+        return Q4_0Weight(torch.cat([p.raw for p in parts]), parts[0].k)
+
+    def _tiled(self, lib, x2: torch.Tensor) -> torch.Tensor:
+        """x2 float32 [M, K] @ W.T for many rows: ``TILE_BYTES`` of W dequantized at a time (as
+        :meth:`QuantizedWeight._tiled`)."""
+        n, k = self.shape
+        rows = max(1, min(n, TILE_BYTES // (4 * k)))
+        buf = torch.empty(rows, k, dtype=torch.float32)
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        for n0 in range(0, n, rows):
+            r = min(rows, n - n0)
+            lib.gs_dequant_q4_0(_ptr(self.raw), n0, n0 + r, k, _ptr(buf), threads)
+            y[:, n0:n0 + r] = x2 @ buf[:r].T
+        return y
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for x float32 [..., K] → float32 [..., N]."""
+        n, k = self.shape
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        lib = load_library() if x.device.type == "cpu" else None
+        if lib is None:
+            if self._dense is None:
+                self._dense = self.dequantize()  # no kernel: keep the fp32 matrix
+            return F.linear(x, self._dense)
+        x2 = x2.float().contiguous()
+        if m > SMALL_M:
+            return self._tiled(lib, x2).view(*lead, n)
+        y = torch.empty(m, n, dtype=torch.float32)
+        lib.gs_qmatmul_q4_0(_ptr(self.raw), n, k, _ptr(x2), m, _ptr(y), torch.get_num_threads())
         return y.view(*lead, n)
