@@ -142,3 +142,70 @@ def test_weight_class_without_a_compiler_falls_back_exactly(monkeypatch):
 def test_bad_shape_is_refused():
     with pytest.raises(ValueError, match="Q4_0"):
         kernels.Q4_0Weight(torch.zeros(4, 17, dtype=torch.uint8), 32)
+
+
+def _tiny_q4_0_gguf(path):
+    """A tiny random Gemma 3 GGUF whose every matrix is Q4_0 (norms F32); returns its config."""
+    from gemmaspec.models.config import Gemma3Config
+    from gemmaspec.models.gemma3 import required_tensors
+
+    cfg = Gemma3Config(vocab_size=96, hidden_size=64, num_layers=2, intermediate_size=96, num_heads=2,
+                       num_kv_heads=1, head_dim=32, sliding_window=8, sliding_window_pattern=2,
+                       query_pre_attn_scalar=32.0)
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes = {"token_embd": (cfg.vocab_size, h), "attn_q": (cfg.num_heads * hd, h), "attn_k": (hd, h),
+              "attn_v": (hd, h), "attn_output": (h, cfg.num_heads * hd), "ffn_gate": (inter, h),
+              "ffn_up": (inter, h), "ffn_down": (h, inter), "attn_q_norm": (hd,), "attn_k_norm": (hd,)}
+    rng = np.random.default_rng(7)
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    for name in required_tensors(cfg):
+        base = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        shape = shapes.get(base, (h,))
+        if len(shape) == 1:
+            w.add_tensor(name, (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+        else:
+            v = (rng.standard_normal(shape) / shape[1] ** 0.5).astype(np.float32)
+            w.add_tensor(name, gguf.quants.quantize(v, T.Q4_0), raw_dtype=T.Q4_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return cfg
+
+
+def test_a_q4_0_model_keeps_its_bytes_and_gives_the_int8_logits(tmp_path):
+    from gemmaspec.loading.gguf import LoadedModel, _load_prepared, _save_prepared, convert_tensor
+    from gemmaspec.models.gemma3 import Gemma3Model
+    from gemmaspec.models.registry import by_name
+
+    cfg = _tiny_q4_0_gguf(tmp_path / "tiny.gguf")
+    reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
+    weights = {t.name: convert_tensor(t) for t in reader.tensors}
+    for t in reader.tensors:
+        if t.tensor_type == T.Q4_0:
+            assert isinstance(weights[t.name], kernels.Q4_0Weight)
+            assert weights[t.name].nbytes == int(t.n_bytes)  # memory = file bytes
+    as_int8 = {n: w.to_int8() if isinstance(w, kernels.Q4_0Weight) else w for n, w in weights.items()}
+    stored, int8 = Gemma3Model(cfg, weights), Gemma3Model(cfg, as_int8)
+    assert isinstance(stored.layers[0].qkv, kernels.Q4_0Weight)  # q, k, v fused as stored
+
+    # the prepared-model cache keeps the raw bytes
+    dest = tmp_path / "prepared"
+    _save_prepared(dest, LoadedModel(tmp_path / "tiny.gguf", by_name("gemma3", "tiny"), cfg, stored, None))
+    again = _load_prepared(dest, tmp_path / "tiny.gguf")
+    assert again is not None
+    reloaded = again.model.weights["blk.0.ffn_down.weight"]
+    assert isinstance(reloaded, kernels.Q4_0Weight)
+    assert torch.equal(reloaded.raw, weights["blk.0.ffn_down.weight"].raw)
+
+    tokens = torch.arange(20) * 7 % cfg.vocab_size
+    logits = []
+    for model in (stored, int8, again.model):
+        cache = model.new_cache(64)
+        out = [model.forward(tokens, cache, all_logits=True).logits]  # prefill: more than SMALL_M rows
+        for tok in (5, 9, 11):
+            out.append(model.forward(torch.tensor([tok]), cache).logits)  # decode: the C kernel
+        logits.append(torch.cat(out))
+    assert torch.isfinite(logits[0]).all()
+    assert torch.equal(logits[0].view(torch.int32), logits[1].view(torch.int32))
+    assert torch.equal(logits[2].view(torch.int32), logits[1].view(torch.int32))

@@ -6,7 +6,7 @@ A :class:`QuantizedWeight` holds a weight matrix W [N, K] as int8 values ``q`` [
 Q4_K, Q5_K and Q6_K blocks all convert to this form without rounding
 (:mod:`gemmaspec.loading.ggml_blocks`). A :class:`Q4_0Weight` keeps Q4_0 blocks as stored in the file
 (half the memory of the int8 form) and multiplies them with the same bits as the int8 form. Both are
-:class:`BlockWeight`\ s.
+:class:`BlockWeight` objects.
 
 Products with few rows (decode, speculative verify: M <= ``SMALL_M``) run in ``qmatmul.c``, a C
 kernel compiled once per machine into the gemmaspec cache with the system C compiler (``cc``); it

@@ -25,14 +25,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from ..errors import ModelFileError
-from ..kernels import QuantizedWeight
+from ..kernels import Q4_0Weight, QuantizedWeight
 from ..models.registry import Architecture, by_name
 from ..paths import cache_home
 from ..tokenizer import GemmaTokenizer
 from .ggml_blocks import DENSE, SUPPORTED_QUANT, to_int8_blocks
 
 SUPPORTED_TYPES = tuple(t.name for t in DENSE + SUPPORTED_QUANT)
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: Q4_0 matrices kept as stored (layout kind "q4_0")
 GGUF_MAGIC = b"GGUF"
 
 
@@ -190,9 +190,9 @@ def _check_type(t) -> T:
 
 
 def convert_tensor(t):
-    """One ``ReaderTensor`` in the engine's form: a block-quantized matrix stays quantized
-    (:class:`QuantizedWeight`, exact int8 levels + fp32 scales; embeddings included, rows are
-    dequantized on lookup); everything else (F32/F16/BF16, 1-D, quantized tensors of more than two
+    """One ``ReaderTensor`` in the engine's form: a block-quantized matrix stays quantized (a Q4_0
+    one as stored, :class:`Q4_0Weight`; other types as :class:`QuantizedWeight`, exact int8 levels +
+    fp32 scales; embeddings included, rows are dequantized on lookup); everything else (F32/F16/BF16, 1-D, quantized tensors of more than two
     dims such as MoE experts) becomes float32, integer tensors int64.
 
     Raises:
@@ -205,6 +205,9 @@ def convert_tensor(t):
     if len(shape) != 2:
         return _dense(t)
     n, k = shape
+    if qtype == T.Q4_0:
+        raw = np.ascontiguousarray(np.asarray(t.data, dtype=np.uint8)).reshape(n, -1)
+        return Q4_0Weight(torch.from_numpy(raw.copy()), k)
     q, s, o, g = to_int8_blocks(np.asarray(t.data), qtype, n, k)
     return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(s), None if o is None else torch.from_numpy(o), g)
 
@@ -223,7 +226,10 @@ def _save_prepared(dest: Path, loaded: LoadedModel) -> None:
     try:
         flat, layout = {}, {}
         for name, w in loaded.model.weights.items():
-            if isinstance(w, QuantizedWeight):
+            if isinstance(w, Q4_0Weight):
+                flat[name + ".raw"] = w.raw
+                layout[name] = {"kind": "q4_0", "k": w.k}
+            elif isinstance(w, QuantizedWeight):
                 flat[name + ".q"], flat[name + ".scale"] = w.q, w.scale
                 if w.offset is not None:
                     flat[name + ".offset"] = w.offset
@@ -258,7 +264,9 @@ def _load_prepared(dest: Path, path: Path) -> LoadedModel | None:
         flat = load_file(str(dest / "weights.safetensors"))
         weights = {}
         for name, info in meta["layout"].items():
-            if info["kind"] == "quant":
+            if info["kind"] == "q4_0":
+                weights[name] = Q4_0Weight(flat[name + ".raw"], info["k"])
+            elif info["kind"] == "quant":
                 weights[name] = QuantizedWeight(flat[name + ".q"], flat[name + ".scale"],
                                                 flat.get(name + ".offset"), info["group"])
             else:

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from ..kernels import QuantizedWeight
+from ..kernels import BlockWeight
 from ..kv_cache import KVCache
 
 @dataclass
@@ -43,8 +43,8 @@ class CausalLM(Protocol):
 
 
 def linear(w, x: torch.Tensor) -> torch.Tensor:
-    """x float32 [..., K] @ W.T for a :class:`QuantizedWeight` or a dense float32 [N, K] tensor."""
-    if isinstance(w, QuantizedWeight):
+    """x float32 [..., K] @ W.T for a block-quantized weight (:class:`~gemmaspec.kernels.BlockWeight`) or a dense float32 [N, K] tensor."""
+    if isinstance(w, BlockWeight):
         return w(x)
     return torch.nn.functional.linear(x, w)
 

@@ -18,13 +18,18 @@ import torch
 import torch.nn.functional as F
 
 from .config import Gemma3Config
-from ..kernels import SMALL_M, QuantizedWeight
+from ..kernels import SMALL_M, BlockWeight, Q4_0Weight, QuantizedWeight
 from ..kv_cache import KVCache
 from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin
 
 
 def _fuse(parts):
-    """Stack compatible quantized weights along N so one kernel call computes them all."""
+    """Stack compatible quantized weights along N so one kernel call computes them all (all int8
+    blocks of one group and offset kind, or all Q4_0 with the same K); None when they do not fit."""
+    if all(isinstance(p, Q4_0Weight) for p in parts):
+        if any(p.k != parts[0].k or p.raw.device != parts[0].raw.device for p in parts):
+            return None
+        return Q4_0Weight.cat(parts)
     if not all(isinstance(p, QuantizedWeight) for p in parts):
         return None
     g, has_off = parts[0].group, parts[0].offset is not None
@@ -144,7 +149,7 @@ class Gemma3Model:
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """int64 [T] → float32 [T, hidden] (scaled by sqrt(hidden))."""
-        e = self.embed.rows(tokens) if isinstance(self.embed, QuantizedWeight) else self.embed[tokens]
+        e = self.embed.rows(tokens) if isinstance(self.embed, BlockWeight) else self.embed[tokens]
         return e * self.embed_scale
 
     @torch.inference_mode()
@@ -262,6 +267,6 @@ class Gemma3Model:
 def _linear_rows(w, x: torch.Tensor) -> torch.Tensor:
     """:func:`linear` fed at most ``SMALL_M`` rows at a time, so every row of a quantized product
     goes through the batch-invariant C kernel (more rows at once would take the dense path)."""
-    if not isinstance(w, QuantizedWeight) or x.shape[0] <= SMALL_M:
+    if not isinstance(w, BlockWeight) or x.shape[0] <= SMALL_M:
         return linear(w, x)
     return torch.cat([linear(w, x[i:i + SMALL_M]) for i in range(0, x.shape[0], SMALL_M)])

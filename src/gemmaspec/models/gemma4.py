@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import Gemma4Config
-from ..kernels import QuantizedWeight
+from ..kernels import BlockWeight
 from ..kv_cache import KVCache
 from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin
 
@@ -40,7 +40,7 @@ def _lookup(table, ids: torch.Tensor) -> torch.Tensor:
     """Embedding rows ``ids`` int64 [T] of a dense float32 table or a block-quantized one (rows
     dequantized on the fly, exactly), float32 [T, dim]. Quantized tables stay quantized in memory: the
     E2B/E4B per-layer table alone is 262,144 x 35 x 256 values (9.4 GB as float32)."""
-    return table.rows(ids) if isinstance(table, QuantizedWeight) else table[ids]
+    return table.rows(ids) if isinstance(table, BlockWeight) else table[ids]
 
 
 def rope_tables(c: Gemma4Config, pos: torch.Tensor) -> dict:

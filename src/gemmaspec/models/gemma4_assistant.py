@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .config import Gemma4AssistantConfig
-from ..kernels import QuantizedWeight
+from ..kernels import BlockWeight
 from .base import apply_rope, attention, linear, rms_norm
 from .gemma4 import gated_mlp, rope_tables
 
@@ -98,7 +98,7 @@ class Gemma4Assistant:
         cent = linear(self.weights["masked_embd_centroids.weight"], hidden[None])[0]
         top = torch.topk(cent, top_k).indices
         ids = self.weights["masked_embd_ordering"].long().view(n_c, per)[top].reshape(-1)
-        rows = self.head.rows(ids) if isinstance(self.head, QuantizedWeight) else self.head[ids]
+        rows = self.head.rows(ids) if isinstance(self.head, BlockWeight) else self.head[ids]
         scores = rows @ hidden
         out = torch.full((v,), float(scores.min()) - 1.0, dtype=hidden.dtype)
         out[ids] = scores
