@@ -73,7 +73,7 @@ static inline long row_bytes(const int fmt, int K) { return fmt == FMT_Q4_0 ? (l
 
 /* IEEE fp16 (little-endian bytes at p) to fp32, exactly (every fp16 is an fp32). */
 static inline float f16_to_f32(const uint8_t *p) {
-    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8)); /* little-endian, as GGUF stores it */
 #if defined(__F16C__) && (defined(GS_AVX512) || defined(GS_AVX2))
     return _cvtsh_ss(h);
 #else
@@ -360,32 +360,33 @@ static inline __attribute__((always_inline)) const int8_t *load_block_portable(c
 }
 
 /* Portable C: the same per-lane operations (fmaf is a fused multiply-add, as the SIMD paths use) and
- * the same reduction, one weight row at a time. The reference the SIMD paths are tested against. */
+ * the same reduction, one weight row at a time (each block loaded once for all M <= MCHUNK rows of x).
+ * The reference the SIMD paths are tested against. */
 static inline __attribute__((always_inline)) void tile_portable(const int fmt, const void *w, const float *s,
                                                                 int K, int G, const float *x, long ldx, int M,
                                                                 float *res) {
     if (fmt == FMT_Q4_0) G = 32;
     const int nb = K / G;
-    for (int m = 0; m < M; m++) {
-        float acc[16] = {0};
-        const float *xm = x + m * ldx;
-        for (int b = 0; b < nb; b++) {
-            const int k = b * G;
-            int8_t buf[32];
-            float sc;
-            const int8_t *q = load_block_portable(fmt, w, s, b, G, buf, &sc);
+    float acc[MCHUNK][16] = {{0}};
+    for (int b = 0; b < nb; b++) {
+        const int k = b * G;
+        int8_t buf[32];
+        float sc;
+        const int8_t *q = load_block_portable(fmt, w, s, b, G, buf, &sc);
+        for (int m = 0; m < M; m++) {
+            const float *xm = x + m * ldx;
             for (int u = 0; u < 16; u++) {
                 if (G == 32) {
                     float t = (float)q[u] * xm[k + u];
                     t = fmaf((float)q[16 + u], xm[k + 16 + u], t);
-                    acc[u] = fmaf(t, sc, acc[u]);
+                    acc[m][u] = fmaf(t, sc, acc[m][u]);
                 } else {
-                    acc[u] = fmaf((float)q[u] * sc, xm[k + u], acc[u]);
+                    acc[m][u] = fmaf((float)q[u] * sc, xm[k + u], acc[m][u]);
                 }
             }
         }
-        res[m] = reduce16_scalar(acc);
     }
+    for (int m = 0; m < M; m++) res[m] = reduce16_scalar(acc[m]);
 }
 #endif
 
