@@ -46,15 +46,22 @@ def tests_helper(name: str):
 
 
 def machine() -> dict:
-    cpu = platform.processor()
+    """The machine a result was measured on: CPU model, its SIMD flags, cores, the kernel path gemmaspec
+    built for it (``GEMMASPEC_ISA`` may force one), Python and platform."""
+    from gemmaspec.kernels import kernel_isa
+
+    cpu, flags = platform.processor(), []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu in ("", platform.processor()):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith(("flags", "Features")) and not flags:
+                have = set(line.split(":", 1)[1].split())
+                flags = sorted(f for f in have if f.startswith(("avx", "fma", "f16c", "sse4", "asimd", "neon", "sve")))
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    return {"cpu": cpu, "simd": " ".join(flags), "cores": os.cpu_count(), "kernel_isa": kernel_isa(),
+            "python": platform.python_version(), "platform": platform.platform()}
 
 
 def llama_python() -> Path:
