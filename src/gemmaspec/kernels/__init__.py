@@ -176,9 +176,46 @@ class BlockWeight:
     """What every block-quantized weight matrix W [N, K] offers (:class:`QuantizedWeight`,
     :class:`Q4_0Weight`): ``shape``, ``nbytes`` (memory held), ``dequantize()`` (float32 [N, K]),
     ``rows(ids)`` (embedding lookup, float32 [*ids.shape, K]), ``to(device)`` and ``w(x)`` = x @ W.T.
-    Test ``isinstance(w, BlockWeight)`` to tell a quantized weight from a dense tensor."""
+    Test ``isinstance(w, BlockWeight)`` to tell a quantized weight from a dense tensor.
+
+    A subclass gives ``_small(lib, x2, y)`` (the C kernel's product for at most ``SMALL_M`` rows) and
+    ``_dequant_rows(lib, n0, n1, out)`` (rows n0..n1-1 of W into float32 ``out``); the product
+    logic below is shared."""
 
     shape: tuple[int, int]
+    _dense: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for x float32 [..., K] → float32 [..., N]: the C kernel for up to ``SMALL_M`` rows,
+        tiles of W through PyTorch's matmul for more, a kept float32 W without a kernel."""
+        n, k = self.shape
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        lib = load_library() if x.device.type == "cpu" else None
+        if lib is None:
+            if self._dense is None:
+                self._dense = self.dequantize()  # no kernel: keep the fp32 matrix
+            return F.linear(x, self._dense)
+        x2 = x2.float().contiguous()
+        if x2.shape[0] > SMALL_M:
+            return self._tiled(lib, x2).view(*lead, n)
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        self._small(lib, x2, y)
+        return y.view(*lead, n)
+
+    def _tiled(self, lib, x2: torch.Tensor) -> torch.Tensor:
+        """x2 float32 [M, K] @ W.T for many rows (prefill): ``TILE_BYTES`` of W at a time is dequantized
+        into one reused float32 buffer and multiplied with PyTorch's matmul, so no product widens the
+        whole matrix (the 262,144 x 640 head would be 670 MB as float32)."""
+        n, k = self.shape
+        rows = max(1, min(n, TILE_BYTES // (4 * k)))
+        buf = torch.empty(rows, k, dtype=torch.float32)
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        for n0 in range(0, n, rows):
+            r = min(rows, n - n0)
+            self._dequant_rows(lib, n0, n0 + r, buf)
+            y[:, n0:n0 + r] = x2 @ buf[:r].T
+        return y
 
 
 class QuantizedWeight(BlockWeight):
@@ -227,23 +264,12 @@ class QuantizedWeight(BlockWeight):
             w = w + self.offset[..., None]
         return w.view(n, k)
 
-    def _tiled(self, lib, x2: torch.Tensor) -> torch.Tensor:
-        """x2 float32 [M, K] @ W.T for many rows (prefill): ``TILE_BYTES`` of W at a time is dequantized
-        into one reused float32 buffer and multiplied with PyTorch's matmul, so no product widens the
-        whole matrix (the 262,144 x 640 head would be 670 MB as float32)."""
-        n, k = self.q.shape
+    def _dequant_rows(self, lib, n0: int, n1: int, out: torch.Tensor) -> None:
+        k = self.shape[1]
         nb = k // self.group
-        rows = max(1, min(n, TILE_BYTES // (4 * k)))
-        buf = torch.empty(rows, k, dtype=torch.float32)
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        threads = torch.get_num_threads()
-        for n0 in range(0, n, rows):
-            r = min(rows, n - n0)
-            off = None if self.offset is None else ctypes.c_void_p(self.offset.data_ptr() + 4 * n0 * nb)
-            lib.gs_dequant(ctypes.c_void_p(self.q.data_ptr() + n0 * k), ctypes.c_void_p(self.scale.data_ptr() + 4 * n0 * nb),
-                           off, r, k, self.group, _ptr(buf), threads)
-            y[:, n0:n0 + r] = x2 @ buf[:r].T
-        return y
+        off = None if self.offset is None else ctypes.c_void_p(self.offset.data_ptr() + 4 * n0 * nb)
+        lib.gs_dequant(ctypes.c_void_p(self.q.data_ptr() + n0 * k), ctypes.c_void_p(self.scale.data_ptr() + 4 * n0 * nb),
+                       off, n1 - n0, k, self.group, _ptr(out), torch.get_num_threads())
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W as float32 [*ids.shape, K] (an embedding lookup)."""
@@ -259,28 +285,14 @@ class QuantizedWeight(BlockWeight):
         off = None if self.offset is None else self.offset.to(d)
         return QuantizedWeight(self.q.to(d), self.scale.to(d), off, self.group)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T for x float32 [..., K] → float32 [..., N]."""
-        n, k = self.q.shape
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k)
-        m = x2.shape[0]
-        lib = load_library() if x.device.type == "cpu" else None
-        if lib is None:
-            if self._dense is None:
-                self._dense = self.dequantize()  # no kernel: keep the fp32 matrix
-            return F.linear(x, self._dense)
-        if m > SMALL_M:
-            return self._tiled(lib, x2.float().contiguous()).view(*lead, n)
-        x2 = x2.float().contiguous()
+    def _small(self, lib, x2: torch.Tensor, y: torch.Tensor) -> None:
+        m, (n, k) = x2.shape[0], self.shape
         xsum = None
         if self.offset is not None:
             xsum = torch.empty(m, k // self.group, dtype=torch.float32)
             lib.gs_block_sums(_ptr(x2), m, k, self.group, _ptr(xsum))
-        y = torch.empty(m, n, dtype=torch.float32)
         lib.gs_qmatmul(_ptr(self.q), _ptr(self.scale), _ptr(self.offset), n, k, self.group, _ptr(x2),
                        _ptr(xsum), m, _ptr(y), torch.get_num_threads())
-        return y.view(*lead, n)
 
 
 Q4_0_BLOCK = 18  # bytes of a ggml block_q4_0: fp16 d, then 16 bytes holding 32 4-bit values
@@ -365,34 +377,9 @@ class Q4_0Weight(BlockWeight):
         """The rows of ``parts`` (same K) stacked along N, so one kernel call computes them all."""
         return Q4_0Weight(torch.cat([p.raw for p in parts]), parts[0].k)
 
-    def _tiled(self, lib, x2: torch.Tensor) -> torch.Tensor:
-        """x2 float32 [M, K] @ W.T for many rows: ``TILE_BYTES`` of W dequantized at a time (as
-        :meth:`QuantizedWeight._tiled`)."""
-        n, k = self.shape
-        rows = max(1, min(n, TILE_BYTES // (4 * k)))
-        buf = torch.empty(rows, k, dtype=torch.float32)
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        threads = torch.get_num_threads()
-        for n0 in range(0, n, rows):
-            r = min(rows, n - n0)
-            lib.gs_dequant_q4_0(_ptr(self.raw), n0, n0 + r, k, _ptr(buf), threads)
-            y[:, n0:n0 + r] = x2 @ buf[:r].T
-        return y
+    def _dequant_rows(self, lib, n0: int, n1: int, out: torch.Tensor) -> None:
+        lib.gs_dequant_q4_0(_ptr(self.raw), n0, n1, self.shape[1], _ptr(out), torch.get_num_threads())
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T for x float32 [..., K] → float32 [..., N]."""
+    def _small(self, lib, x2: torch.Tensor, y: torch.Tensor) -> None:
         n, k = self.shape
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k)
-        m = x2.shape[0]
-        lib = load_library() if x.device.type == "cpu" else None
-        if lib is None:
-            if self._dense is None:
-                self._dense = self.dequantize()  # no kernel: keep the fp32 matrix
-            return F.linear(x, self._dense)
-        x2 = x2.float().contiguous()
-        if m > SMALL_M:
-            return self._tiled(lib, x2).view(*lead, n)
-        y = torch.empty(m, n, dtype=torch.float32)
-        lib.gs_qmatmul_q4_0(_ptr(self.raw), n, k, _ptr(x2), m, _ptr(y), torch.get_num_threads())
-        return y.view(*lead, n)
+        lib.gs_qmatmul_q4_0(_ptr(self.raw), n, k, _ptr(x2), x2.shape[0], _ptr(y), torch.get_num_threads())
