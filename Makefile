@@ -21,7 +21,8 @@ endef
 PROMPT ?= $(DEMO_PROMPT)
 export PROMPT
 SPEC   ?= --spec-type ngram-simple --spec-draft-n-max 3
-ARGS   ?= -n 128 --temp 0
+TEMP   ?= 0
+ARGS   ?= -n 128
 
 .PHONY: setup run test bench clean
 
@@ -39,7 +40,7 @@ $(VENV)/.installed: pyproject.toml
 	          echo "PyTorch $(TORCH_VERSION): the CPU build, from $(TORCH_CPU_INDEX)"; \
 	          $(PY) -m pip install -q --index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION); \
 	      else \
-	          echo "PyTorch $(TORCH_VERSION): $(TORCH_CPU_INDEX) is unreachable, plain pip install (PyPI's Linux wheel is the CUDA build)"; \
+	          echo "PyTorch $(TORCH_VERSION): $(TORCH_CPU_INDEX) is unreachable: pip install torch from your configured index (on PyPI, Linux wheels are the CUDA build)"; \
 	          $(PY) -m pip install -q torch==$(TORCH_VERSION); \
 	      fi ;; \
 	*)    echo "TORCH must be auto, cpu or cuda (got $$torch)" >&2; exit 2 ;; \
@@ -50,7 +51,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(VENV)/bin/gemmaspec generate -p "$$PROMPT" $(SPEC) $(ARGS)
+	$(VENV)/bin/gemmaspec generate -p "$$PROMPT" $(SPEC) --temp $(TEMP) $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -200,6 +200,16 @@ def test_llama_cpp_flags_refused_by_name(cmd, flags, needle):
     assert needle in last and "Traceback" not in res.stderr, last
 
 
+@pytest.mark.parametrize("cmd", ["generate", "serve"])
+def test_unknown_flag_names_the_subcommand(cmd):
+    """As argparse does for every other bad flag of a subcommand: its own usage and prog name."""
+    res = run_cli(cmd, *(["-p", "x"] if cmd == "generate" else []), "--bogus")
+    assert res.returncode == 2
+    last = res.stderr.strip().splitlines()[-1]
+    assert last == f"gemmaspec {cmd}: error: unrecognized arguments: --bogus", res.stderr
+    assert res.stderr.startswith(f"usage: gemmaspec {cmd} ")
+
+
 def test_ngl_is_accepted_and_explained(model_path):
     res = run_cli("generate", "-m", str(model_path), "-p", "Hi", "-n", "2", "--temp", "0", "-ngl", "99")
     assert res.returncode == 0, res.stderr

@@ -79,7 +79,7 @@ def _refuse(p: argparse.ArgumentParser, table: dict) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=None, help="GGUF model file (default: the embedded Gemma 3 270M)")
+    p.add_argument("-m", "--model", default=None, help="GGUF model file or Hugging Face checkpoint directory (default: the embedded Gemma 3 270M)")
     p.add_argument("-c", "--ctx-size", type=int, default=None,
                    help="context size in tokens (0 = the model's; default 4096 or the model's, if smaller)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default auto)")
@@ -257,7 +257,8 @@ def _cmd_generate(args) -> int:
         out.flush()
     out.write("\n")
     if args.json:
-        out.write(json.dumps(stats_record(stats, load_s, args.spec_type, n_max)) + "\n")
+        spec_on = args.spec_type not in (None, "none") or args.model_draft
+        out.write(json.dumps(stats_record(stats, load_s, args.spec_type, n_max if spec_on else 0)) + "\n")
     out.flush()
     print(stats_line(stats, load_s), file=sys.stderr)
     if args.spec_type != "none":
@@ -323,7 +324,11 @@ def _cmd_verify(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand in the error, as for every other bad flag of it
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         check_common(args)
         if args.command == "generate":

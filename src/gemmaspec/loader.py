@@ -11,6 +11,7 @@ import torch
 
 from .engine import Engine
 from .errors import GemmaspecError, InputError
+from .kernels import load_library
 from .loading import load_checkpoint
 from .quant.qat import looks_qat
 from .speculative.options import SPEC_TYPES
@@ -64,6 +65,8 @@ def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", th
     """
     set_threads(threads)
     loaded = load_checkpoint(path, resolve_device(device), role="target")
+    if loaded.model.device.type == "cpu":
+        load_library()  # a first start compiles the kernel here, so it counts as loading, not as prefill
     if ctx_size is None:  # default: 4096, or the model's context when that is smaller
         ctx_size = min(4096, loaded.config.context_length)
     ctx = ctx_size if ctx_size > 0 else loaded.config.context_length
