@@ -57,7 +57,7 @@ def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", th
     """A ready :class:`Engine`.
 
     Args:
-        path: GGUF file or Gemma 4 checkpoint directory (None: the default model).
+        path: GGUF file or Hugging Face checkpoint directory (None: the default model).
         ctx_size: context size in tokens; None = min(4096, the model's), 0 = the model's.
 
     Raises:
