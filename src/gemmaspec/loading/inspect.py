@@ -1,5 +1,5 @@
 """``gemmaspec inspect``: what a GGUF file holds (architecture, typed config, tensor types, tokenizer),
-read from its header and tensor table without converting any weight."""
+read from its header and tensor table only (no tensor data is read)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def describe_gguf(path: str | Path) -> str:
         ModelFileError: missing, not GGUF, truncated or corrupt; UnsupportedArchitectureError.
     """
     path = Path(path)
-    reader = open_reader(path)
-    meta = GGUFMeta(reader, path)
-    arch, cfg = read_config(path, reader)
+    header = open_reader(path)
+    meta = GGUFMeta(header, path)
+    arch, cfg = read_config(path, header)
     out = [f"file: {path} ({path.stat().st_size / 1e6:.1f} MB)", f"architecture: {arch.name} ({arch.role})"]
     name = meta.get("general.name")
     if name is not None:
@@ -41,10 +41,10 @@ def describe_gguf(path: str | Path) -> str:
     out.append("config:")
     out += _config_lines(cfg)
     counts, nbytes = Counter(), Counter()
-    for t in reader.tensors:
+    for t in header.tensors:
         counts[t.tensor_type.name] += 1
-        nbytes[t.tensor_type.name] += int(t.n_bytes)
-    out.append(f"tensors: {len(reader.tensors)}")
+        nbytes[t.tensor_type.name] += t.n_bytes
+    out.append(f"tensors: {len(header.tensors)}")
     for ty, n in counts.most_common():
         out.append(f"  {ty:6s} {n:4d} tensors  {nbytes[ty] / 1e6:8.1f} MB")
     if arch.role == "assistant":

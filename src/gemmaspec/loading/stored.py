@@ -5,7 +5,7 @@ memory. A :class:`StoredTensor` knows where a tensor's bytes lie in a file and r
 ``os.pread``, so memory holds only the rows being worked on (a memory map would count every page it
 touched in the process's RSS until the whole file is unmapped).
 
-Locations come from the files' own headers: GGUF through ``gguf.GGUFReader`` (tensor data offsets),
+Locations come from the files' own headers: GGUF through :mod:`.gguf_header` (tensor data offsets),
 safetensors from its header (an 8-byte little-endian length, then a JSON table of ``dtype``,
 ``shape``, ``data_offsets`` relative to the end of the header; the ``safetensors`` package's reader
 only offers a memory map).
@@ -19,11 +19,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 
 from ..errors import ModelFileError
+from .gguf_header import GGUFHeader
 
 # source element types that are widened to float32, with their explicit mantissa bits
 FLOAT_MANTISSA = {"BF16": 7, "F16": 10, "F32": 23}
@@ -119,18 +119,7 @@ def safetensors_index(path: Path) -> dict[str, StoredTensor]:
     return out
 
 
-def gguf_index(path: Path, reader: gguf.GGUFReader) -> dict[str, StoredTensor]:
-    """Every tensor of the GGUF file ``path`` (opened as ``reader``) by name, in file order.
-
-    Raises:
-        ModelFileError: a tensor runs past the end of the file (truncated download).
-    """
-    size = path.stat().st_size
-    out = {}
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelFileError(f"{path} is truncated (tensor {t.name} runs past the end of the file); "
-                                 "download or write it again")
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne0 first
-        out[t.name] = StoredTensor(path, int(t.data_offset), int(t.n_bytes), t.tensor_type.name, shape)
-    return out
+def gguf_index(path: Path, header: GGUFHeader) -> dict[str, StoredTensor]:
+    """Every tensor of the GGUF file ``path`` (its parsed ``header``, which has already checked that
+    every tensor lies within the file) by name, in file order."""
+    return {t.name: StoredTensor(path, t.offset, t.n_bytes, t.tensor_type.name, t.shape) for t in header.tensors}
