@@ -31,7 +31,9 @@ def load_checkpoint(path: str | os.PathLike | None, device: torch.device | str =
         path: GGUF file or checkpoint directory; None = the embedded default model.
         device: where the weights go.
         role: ``"target"`` or ``"assistant"`` to refuse a checkpoint of the other role; None = either.
-        use_cache: keep a GGUF's converted weights in the prepared-model cache.
+        use_cache: take a GGUF's tokenizer from the tokenizer cache (building and saving it on first
+            use); False builds it and writes nothing. Weights are never cached: they are used
+            straight from the mapped file.
 
     Raises:
         ModelFileError / UnsupportedArchitectureError: unreadable or unsupported checkpoint.
