@@ -25,14 +25,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from ..errors import ModelFileError
-from ..kernels import Q4_0Weight, QuantizedWeight
+from ..kernels import STORED_TYPES, QuantizedWeight, StoredWeight
 from ..models.registry import Architecture, by_name
 from ..paths import cache_home
 from ..tokenizer import GemmaTokenizer
-from .ggml_blocks import DENSE, SUPPORTED_QUANT, to_int8_blocks
+from ..kernels.ggml_blocks import DENSE, SUPPORTED_QUANT, to_int8_blocks
 
 SUPPORTED_TYPES = tuple(t.name for t in DENSE + SUPPORTED_QUANT)
-FORMAT_VERSION = 3  # 3: Q4_0 matrices kept as stored (layout kind "q4_0")
+FORMAT_VERSION = 4  # 4: Q4_0, Q8_0, Q5_0, Q4_K, Q6_K matrices kept as stored (layout kind "stored")
 GGUF_MAGIC = b"GGUF"
 
 
@@ -191,7 +191,7 @@ def _check_type(t) -> T:
 
 def convert_tensor(t):
     """One ``ReaderTensor`` in the engine's form: a block-quantized matrix stays quantized (a Q4_0
-    one as stored, :class:`Q4_0Weight`; other types as :class:`QuantizedWeight`, exact int8 levels +
+    of a type in ``STORED_TYPES`` as stored, :class:`StoredWeight`; other types as :class:`QuantizedWeight`, exact int8 levels +
     fp32 scales; embeddings included, rows are dequantized on lookup); everything else (F32/F16/BF16, 1-D, quantized tensors of more than two
     dims such as MoE experts) becomes float32, integer tensors int64.
 
@@ -205,9 +205,9 @@ def convert_tensor(t):
     if len(shape) != 2:
         return _dense(t)
     n, k = shape
-    if qtype == T.Q4_0:
+    if qtype.name in STORED_TYPES:
         raw = np.ascontiguousarray(np.asarray(t.data, dtype=np.uint8)).reshape(n, -1)
-        return Q4_0Weight(torch.from_numpy(raw.copy()), k)
+        return StoredWeight(torch.from_numpy(raw.copy()), qtype.name, k)
     q, s, o, g = to_int8_blocks(np.asarray(t.data), qtype, n, k)
     return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(s), None if o is None else torch.from_numpy(o), g)
 
@@ -226,9 +226,9 @@ def _save_prepared(dest: Path, loaded: LoadedModel) -> None:
     try:
         flat, layout = {}, {}
         for name, w in loaded.model.weights.items():
-            if isinstance(w, Q4_0Weight):
+            if isinstance(w, StoredWeight):
                 flat[name + ".raw"] = w.raw
-                layout[name] = {"kind": "q4_0", "k": w.k}
+                layout[name] = {"kind": "stored", "qtype": w.qtype, "k": w.k}
             elif isinstance(w, QuantizedWeight):
                 flat[name + ".q"], flat[name + ".scale"] = w.q, w.scale
                 if w.offset is not None:
@@ -264,8 +264,8 @@ def _load_prepared(dest: Path, path: Path) -> LoadedModel | None:
         flat = load_file(str(dest / "weights.safetensors"))
         weights = {}
         for name, info in meta["layout"].items():
-            if info["kind"] == "q4_0":
-                weights[name] = Q4_0Weight(flat[name + ".raw"], info["k"])
+            if info["kind"] == "stored":
+                weights[name] = StoredWeight(flat[name + ".raw"], info["qtype"], info["k"])
             elif info["kind"] == "quant":
                 weights[name] = QuantizedWeight(flat[name + ".q"], flat[name + ".scale"],
                                                 flat.get(name + ".offset"), info["group"])
