@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as T
 from hypothesis import given, settings, strategies as st
 
 from gemmaspec.kernels import QuantizedWeight
-from gemmaspec.loading.ggml_blocks import SUPPORTED_QUANT, to_int8_blocks
+from gemmaspec.kernels.ggml_blocks import SUPPORTED_QUANT, to_int8_blocks
 
 
 def _random_blocks(rng, qtype, n_rows, row_len):

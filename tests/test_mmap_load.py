@@ -15,16 +15,10 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from gemmaspec import kernels
+from gemmaspec.kernels import STORED_TYPES, StoredWeight
+from gemmaspec.kernels.ggml_blocks import to_int8_blocks
 from gemmaspec.loading.gguf import load_gguf, tensor_weight
 from gemmaspec.loading.gguf_header import read_header
-
-try:
-    from gemmaspec.kernels.ggml_blocks import to_int8_blocks
-except ImportError:
-    from gemmaspec.loading.ggml_blocks import to_int8_blocks
-
-STORED = getattr(kernels, "STORED_TYPES", ("Q4_0",))
-Stored = getattr(kernels, "StoredWeight", kernels.Q4_0Weight)
 TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\u2581"] + \
     [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["\u2581" + chr(c) for c in range(ord("a"), ord("z") + 1)]
 # the matrix types of the tiny model: kept as stored (Q4_0, Q8_0, Q5_0) or converted (Q4_1, Q5_1, F16)
@@ -117,8 +111,8 @@ def test_weights_view_the_mapped_file(tmp_path, home):
     for t, r in zip(header.tensors, ref.tensors):
         w = loaded.model.weights[t.name]
         data = np.asarray(r.data)
-        if t.tensor_type.name in STORED:
-            assert isinstance(w, Stored), t.name
+        if t.tensor_type.name in STORED_TYPES:
+            assert isinstance(w, StoredWeight) and w.qtype == t.tensor_type.name, t.name
             assert in_file(w.raw.data_ptr()) and w.raw.shape == (t.shape[0], t.n_bytes // t.shape[0])
             assert np.array_equal(w.raw.numpy().reshape(-1), data.reshape(-1))  # the file's bytes, no copy
             kept += 1
@@ -133,7 +127,7 @@ def test_weights_view_the_mapped_file(tmp_path, home):
             q, s, o, g = to_int8_blocks(data, t.tensor_type, *t.shape)
             assert np.array_equal(w.q.numpy(), q) and np.array_equal(w.scale.numpy(), s) and g == w.group
             converted += 1
-    assert kept >= 4 and converted >= 4  # Q4_0 always kept; Q4_1 and Q5_1 always converted
+    assert kept == 9 and converted == 4  # Q4_0, Q8_0, Q5_0 kept as stored; Q4_1, Q5_1 converted
     assert loaded.tokenizer is not None and loaded.tokenizer.encode("ab", add_bos=True)[0] == 2
 
 

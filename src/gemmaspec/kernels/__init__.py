@@ -1,16 +1,18 @@
 """Block-quantized weights and the CPU kernels that multiply by them.
 
-A :class:`QuantizedWeight` holds a weight matrix W [N, K] as int8 values ``q`` [N, K], an fp32
-``scale`` [N, K/G] and an optional fp32 ``offset`` [N, K/G] (G = 16 or 32 values per block), so that
-``W[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G]``. GGML's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-Q4_K, Q5_K and Q6_K blocks all convert to this form without rounding
-(:mod:`gemmaspec.loading.ggml_blocks`). A :class:`Q4_0Weight` keeps Q4_0 blocks as stored in the file
-(half the memory of the int8 form) and multiplies them with the same bits as the int8 form. Both are
+A :class:`StoredWeight` keeps a weight matrix W [N, K] as the GGUF file's blocks, byte for byte
+(Q4_0, Q8_0, Q5_0, Q4_K, Q6_K: :data:`STORED_TYPES`; the bytes may view a memory-mapped file). A
+:class:`QuantizedWeight` holds W as int8 values ``q`` [N, K], an fp32 ``scale`` [N, K/G] and an
+optional fp32 ``offset`` [N, K/G] (G = 16 or 32 values per block), so that
+``W[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G]``; every GGML block type converts to this
+form without rounding (:mod:`gemmaspec.kernels.ggml_blocks`), which is how the types without a stored
+kernel (Q4_1, Q5_1, Q5_K) are held. Both multiply with the same bits for the same weights. A
+:class:`StackedWeight` puts several of them side by side (q, k, v) for one kernel call. All are
 :class:`BlockWeight` objects.
 
 Products with few rows (decode, speculative verify: M <= ``SMALL_M``) run in ``qmatmul.c``, a C
 kernel compiled once per machine into the gemmaspec cache with the system C compiler (``cc``); it
-reads the int8 weights straight from memory and multiplies them with fp32 activations (activations
+reads the weights straight from memory and multiplies them with fp32 activations (activations
 are never quantized). Larger products (prefill) dequantize a tile of rows at a time into a reused
 fp32 buffer and use PyTorch's matmul. Without a C compiler, or with ``GEMMASPEC_NO_KERNELS=1``, every product uses the
 dequantized fp32 matrix, kept in memory: correct, slower, four times the memory.
@@ -32,6 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from ..paths import cache_home
 
 log = logging.getLogger(__name__)
@@ -44,15 +48,15 @@ _lib_tried = False
 _lock = threading.Lock()
 
 
-ISAS = ("auto", "avx512", "avx2", "portable")
-_ISA_FLAGS = {"auto": [], "avx512": [], "avx2": ["-mno-avx512f"], "portable": ["-DGS_PORTABLE"]}
-_ISA_NEEDS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma")}
+ISAS = ("auto", "avx512", "avx2", "neon", "portable")
+_ISA_FLAGS = {"auto": [], "avx512": [], "avx2": ["-mno-avx512f"], "neon": [], "portable": ["-DGS_PORTABLE"]}
+_ISA_NEEDS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma"), "neon": ("asimd",)}
 
 
 def isa_choice() -> str:
     """The kernel instruction set asked for with ``GEMMASPEC_ISA`` (``auto``: the best this CPU has;
-    ``avx2`` builds the AVX2+FMA path even on an AVX-512 CPU, to test and measure it; ``portable``
-    the plain C path). An unknown value, or one this CPU cannot run, falls back to ``auto`` with a
+    ``avx2`` builds the AVX2+FMA path even on an AVX-512 CPU, to test and measure it; ``neon`` the
+    AArch64 path (the default there); ``portable`` the plain C path). An unknown value, or one this CPU cannot run, falls back to ``auto`` with a
     warning."""
     isa = os.environ.get("GEMMASPEC_ISA", "auto").strip().lower() or "auto"
     if isa not in ISAS:
@@ -146,23 +150,27 @@ def matmul_library(isa: str = "auto"):
     if lib is None:
         return None
     P, I = ctypes.c_void_p, ctypes.c_int
-    lib.gs_qmatmul.argtypes = [P, P, P, I, I, I, P, P, I, P, I]
-    lib.gs_qmatmul.restype = None
-    lib.gs_dequant.argtypes = [P, P, P, I, I, I, P, I]
-    lib.gs_dequant.restype = None
-    lib.gs_qmatmul_q4_0.argtypes = [P, I, I, P, I, P, I]
-    lib.gs_qmatmul_q4_0.restype = None
-    lib.gs_dequant_q4_0.argtypes = [P, I, I, I, P, I]
-    lib.gs_dequant_q4_0.restype = None
-    lib.gs_block_sums.argtypes = [P, I, I, I, P]
-    lib.gs_block_sums.restype = None
+    sigs = {
+        "gs_qmatmul": [P, P, P, I, I, I, P, P, I, P, I],
+        "gs_qmatmul_multi": [I, P, P, P, P, P, P, I, P, P, I, P, I],
+        "gs_qmatmul_stored": [I, P, I, I, P, P, I, P, I],
+        "gs_dequant": [P, P, P, I, I, I, P, I],
+        "gs_dequant_rows": [I, P, P, P, I, I, I, I, P, I],
+        "gs_dequant_ids": [I, P, P, P, I, P, I, I, P],
+        "gs_qmatmul_q4_0": [P, I, I, P, I, P, I],
+        "gs_dequant_q4_0": [P, I, I, I, P, I],
+        "gs_block_sums": [P, I, I, I, P],
+    }
+    for name, args in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
     lib.gs_isa.argtypes = []
     lib.gs_isa.restype = ctypes.c_char_p
     return lib
 
 
 def kernel_isa() -> str:
-    """The instruction-set path of the loaded kernel (``avx512``, ``avx2``, ``portable``), or ``none``
+    """The instruction-set path of the loaded kernel (``avx512``, ``avx2``, ``neon``, ``portable``), or ``none``
     when no kernel could be built (dense PyTorch fallback)."""
     lib = load_library()
     return lib.gs_isa().decode() if lib is not None else "none"
@@ -172,36 +180,88 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
+# Weight formats of qmatmul.c (FMT_*): the int8 form, and GGML block types kept as stored.
+FMT_I8 = 0
+STORED_TYPES = ("Q4_0", "Q8_0", "Q5_0", "Q4_K", "Q6_K")  # GGML types StoredWeight keeps as stored
+_FMT = {"Q4_0": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
+_HAS_OFFSETS = ("Q4_K",)
+
+
 class BlockWeight:
     """What every block-quantized weight matrix W [N, K] offers (:class:`QuantizedWeight`,
-    :class:`Q4_0Weight`): ``shape``, ``nbytes`` (memory held), ``dequantize()`` (float32 [N, K]),
-    ``rows(ids)`` (embedding lookup, float32 [*ids.shape, K]), ``to(device)`` and ``w(x)`` = x @ W.T.
-    Test ``isinstance(w, BlockWeight)`` to tell a quantized weight from a dense tensor.
+    :class:`StoredWeight`, :class:`StackedWeight`): ``shape``, ``nbytes`` (memory held),
+    ``dequantize()`` (float32 [N, K]), ``rows(ids)`` (embedding lookup, float32 [*ids.shape, K]),
+    ``to(device)`` and ``w(x)`` = x @ W.T. Test ``isinstance(w, BlockWeight)`` to tell a quantized
+    weight from a dense tensor.
 
-    A subclass gives ``_small(lib, x2, y)`` (the C kernel's product for at most ``SMALL_M`` rows) and
-    ``_dequant_rows(lib, n0, n1, out)`` (rows n0..n1-1 of W into float32 ``out``); the product
-    logic below is shared."""
+    A subclass describes its memory as kernel segments (``_segments()``: the format number, weight
+    bytes, int8 scales/offsets and group, rows) and gives ``_fallback()`` (the same weights in a form
+    PyTorch can multiply without the C kernel); the product logic below is shared."""
 
     shape: tuple[int, int]
     _dense: torch.Tensor | None = None
+
+    def _segments(self) -> list[tuple]:  # [(fmt, w, s, o, G, N)]
+        raise NotImplementedError
+
+    def _fallback(self) -> "BlockWeight":
+        raise NotImplementedError
+
+    @property
+    def _device(self) -> torch.device:
+        return self._segments()[0][1].device
+
+    def _offset_group(self) -> int | None:
+        """G of the segments with offsets (their kernel reads sums of x over G-value blocks), or None."""
+        gs = {32 if fmt == _FMT["Q4_K"] else g for fmt, _, _, o, g, _ in self._segments()
+              if o is not None or fmt == _FMT["Q4_K"]}
+        return gs.pop() if gs else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for x float32 [..., K] → float32 [..., N]: the C kernel for up to ``SMALL_M`` rows,
         tiles of W through PyTorch's matmul for more, a kept float32 W without a kernel."""
         n, k = self.shape
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, k)
-        lib = load_library() if x.device.type == "cpu" else None
+        lib = load_library() if x.device.type == "cpu" and self._device.type == "cpu" else None
         if lib is None:
             if self._dense is None:
                 self._dense = self.dequantize()  # no kernel: keep the fp32 matrix
             return F.linear(x, self._dense)
-        x2 = x2.float().contiguous()
+        x2 = x.reshape(-1, k).float().contiguous()
         if x2.shape[0] > SMALL_M:
             return self._tiled(lib, x2).view(*lead, n)
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
         self._small(lib, x2, y)
         return y.view(*lead, n)
+
+    def _small(self, lib, x2: torch.Tensor, y: torch.Tensor) -> None:
+        """y float32 [M, N] = x2 float32 [M, K] @ W.T in one call of the C kernel (M <= SMALL_M)."""
+        m, k = x2.shape
+        segs = self._segments()
+        xsum, g = None, self._offset_group()
+        if g is not None:
+            xsum = torch.empty(m, k // g, dtype=torch.float32)
+            lib.gs_block_sums(_ptr(x2), m, k, g, _ptr(xsum))
+        ns = len(segs)
+        arr = lambda ctype, vals: (ctype * ns)(*vals)  # noqa: E731
+        P = ctypes.c_void_p
+        lib.gs_qmatmul_multi(ns, arr(ctypes.c_int, [s[0] for s in segs]),
+                             arr(P, [s[1].data_ptr() for s in segs]),
+                             arr(P, [None if s[2] is None else s[2].data_ptr() for s in segs]),
+                             arr(P, [None if s[3] is None else s[3].data_ptr() for s in segs]),
+                             arr(ctypes.c_int, [s[4] for s in segs]), arr(ctypes.c_int, [s[5] for s in segs]),
+                             k, _ptr(x2), _ptr(xsum), m, _ptr(y), torch.get_num_threads())
+
+    def _dequant_rows(self, lib, n0: int, n1: int, out: torch.Tensor) -> None:
+        """Rows n0..n1-1 of W into float32 ``out`` [>= n1 - n0, K] (the C kernel's dequantizer)."""
+        k, base = self.shape[1], 0
+        for fmt, w, s, o, g, n in self._segments():
+            a, b = max(n0, base), min(n1, base + n)
+            if a < b:
+                dst = ctypes.c_void_p(out.data_ptr() + 4 * (a - n0) * k)
+                lib.gs_dequant_rows(fmt, _ptr(w), _ptr(s), _ptr(o), g, a - base, b - base, k, dst,
+                                    torch.get_num_threads())
+            base += n
 
     def _tiled(self, lib, x2: torch.Tensor) -> torch.Tensor:
         """x2 float32 [M, K] @ W.T for many rows (prefill): ``TILE_BYTES`` of W at a time is dequantized
@@ -216,6 +276,30 @@ class BlockWeight:
             self._dequant_rows(lib, n0, n0 + r, buf)
             y[:, n0:n0 + r] = x2 @ buf[:r].T
         return y
+
+    def dequantize(self) -> torch.Tensor:
+        """W as float32 [N, K], on the weight's device."""
+        n, k = self.shape
+        lib = load_library() if self._device.type == "cpu" else None
+        if lib is None:
+            return self._fallback().dequantize()
+        out = torch.empty(n, k, dtype=torch.float32)
+        self._dequant_rows(lib, 0, n, out)
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64, any shape) of W as float32 [*ids.shape, K] (an embedding lookup); only
+        those rows are unpacked."""
+        segs = self._segments()
+        lib = load_library() if self._device.type == "cpu" else None
+        if lib is None or len(segs) != 1:
+            return self._fallback().rows(ids)
+        fmt, w, s, o, g, _ = segs[0]
+        k = self.shape[1]
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), k, dtype=torch.float32)
+        lib.gs_dequant_ids(fmt, _ptr(w), _ptr(s), _ptr(o), g, _ptr(flat), flat.numel(), k, _ptr(out))
+        return out.view(*ids.shape, k)
 
 
 class QuantizedWeight(BlockWeight):
@@ -250,34 +334,30 @@ class QuantizedWeight(BlockWeight):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset) if t is not None)
 
+    def _segments(self) -> list[tuple]:
+        return [(FMT_I8, self.q, self.scale, self.offset, self.group, self.shape[0])]
+
+    def _fallback(self) -> "QuantizedWeight":
+        return self
+
     def dequantize(self) -> torch.Tensor:
         """W as float32 [N, K], on the weight's device."""
+        if self.q.device.type == "cpu" and load_library() is not None:
+            return super().dequantize()
         n, k = self.q.shape
-        lib = load_library() if self.q.device.type == "cpu" else None
-        if lib is not None:
-            out = torch.empty(n, k, dtype=torch.float32)
-            lib.gs_dequant(_ptr(self.q), _ptr(self.scale), _ptr(self.offset), n, k, self.group, _ptr(out),
-                           torch.get_num_threads())
-            return out
         w = self.q.view(n, k // self.group, self.group).float() * self.scale[..., None]
-        if self.offset is not None:
-            w = w + self.offset[..., None]
+        w = w + (self.offset[..., None] if self.offset is not None else 0.0)
         return w.view(n, k)
 
-    def _dequant_rows(self, lib, n0: int, n1: int, out: torch.Tensor) -> None:
-        k = self.shape[1]
-        nb = k // self.group
-        off = None if self.offset is None else ctypes.c_void_p(self.offset.data_ptr() + 4 * n0 * nb)
-        lib.gs_dequant(ctypes.c_void_p(self.q.data_ptr() + n0 * k), ctypes.c_void_p(self.scale.data_ptr() + 4 * n0 * nb),
-                       off, n1 - n0, k, self.group, _ptr(out), torch.get_num_threads())
-
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of W as float32 [*ids.shape, K] (an embedding lookup)."""
+        """Rows ``ids`` of W as float32 [*ids.shape, K] (an embedding lookup): scale * q + offset
+        (+ 0 without offsets, as the C dequantizer computes it)."""
+        if self.q.device.type == "cpu" and load_library() is not None:
+            return super().rows(ids)
         n, k = self.q.shape
         g = self.group
         w = self.q[ids].view(-1, k // g, g).float() * self.scale[ids].view(-1, k // g, 1)
-        if self.offset is not None:
-            w = w + self.offset[ids].view(-1, k // g, 1)
+        w = w + (self.offset[ids].view(-1, k // g, 1) if self.offset is not None else 0.0)
         return w.view(*ids.shape, k)
 
     def to(self, device: torch.device | str) -> "QuantizedWeight":
@@ -285,42 +365,36 @@ class QuantizedWeight(BlockWeight):
         off = None if self.offset is None else self.offset.to(d)
         return QuantizedWeight(self.q.to(d), self.scale.to(d), off, self.group)
 
-    def _small(self, lib, x2: torch.Tensor, y: torch.Tensor) -> None:
-        m, (n, k) = x2.shape[0], self.shape
-        xsum = None
-        if self.offset is not None:
-            xsum = torch.empty(m, k // self.group, dtype=torch.float32)
-            lib.gs_block_sums(_ptr(x2), m, k, self.group, _ptr(xsum))
-        lib.gs_qmatmul(_ptr(self.q), _ptr(self.scale), _ptr(self.offset), n, k, self.group, _ptr(x2),
-                       _ptr(xsum), m, _ptr(y), torch.get_num_threads())
 
+class StoredWeight(BlockWeight):
+    """A weight matrix W [N, K] kept as the GGUF's blocks, byte for byte (no conversion, no copy: ``raw``
+    may view a memory-mapped file). Types: :data:`STORED_TYPES` — Q4_0 (0.5625 bytes per weight),
+    Q8_0 (1.0625), Q5_0 (0.6875), Q4_K (0.5625), Q6_K (0.8203), against 1.125 for the int8 form.
 
-Q4_0_BLOCK = 18  # bytes of a ggml block_q4_0: fp16 d, then 16 bytes holding 32 4-bit values
-
-
-class Q4_0Weight(BlockWeight):
-    """A weight matrix W [N, K] kept as the GGUF's Q4_0 blocks (0.5625 bytes per weight, half the
-    int8 form): per 32 values along K, 18 bytes = fp16 ``d`` + 16 bytes whose low nibbles are values
-    0-15 and high nibbles values 16-31; ``W = d * (nibble - 8)``.
-
-    Products are bit-identical to a :class:`QuantizedWeight` of the same values (int8 levels
-    ``nibble - 8``, scale ``d``, group 32): the C kernel (``gs_qmatmul_q4_0``) unpacks the nibbles in
-    registers and runs the int8 path's operations. Without a C kernel W is dequantized once and kept
-    as float32 (correct, slower).
+    Products are bit-identical to a :class:`QuantizedWeight` of the same values (the exact conversion
+    of :func:`gemmaspec.kernels.ggml_blocks.to_int8_blocks`): the C kernel unpacks each block's levels
+    in registers and runs the int8 path's operations (``qmatmul.c``). Without a C kernel W is
+    converted to the int8 form once and dequantized (correct, slower, more memory).
 
     Args:
-        raw: uint8 [N, K / 32 * 18], the tensor's bytes as stored in the file.
-        k: K, the row length in values (a multiple of 32).
+        raw: uint8 [N, row_bytes], the tensor's bytes as stored in the file (row_bytes = K / block
+            values * block bytes, from ``gguf.GGML_QUANT_SIZES``).
+        qtype: the GGML type name, one of :data:`STORED_TYPES`.
+        k: K, the row length in values (a multiple of the type's block size: 32, or 256 for K-quants).
 
     Raises:
-        ValueError: a dtype or byte count that does not fit [N, K].
+        ValueError: an unsupported type, or a dtype or byte count that does not fit [N, K].
     """
 
-    def __init__(self, raw: torch.Tensor, k: int):
-        if raw.dtype != torch.uint8 or raw.dim() != 2 or k % 32 or raw.shape[1] != k // 32 * Q4_0_BLOCK:
-            raise ValueError(f"bad Q4_0 weight: raw {raw.dtype} {tuple(raw.shape)} for rows of {k} values "
-                             f"(need uint8 [N, {k // 32 * Q4_0_BLOCK}], K a multiple of 32)")
-        self.raw, self.k = raw.contiguous(), k
+    def __init__(self, raw: torch.Tensor, qtype: str, k: int):
+        if qtype not in STORED_TYPES:
+            raise ValueError(f"{qtype} weights cannot be kept as stored; supported: {', '.join(STORED_TYPES)}")
+        per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or k % per_block or raw.shape[1] != k // per_block * block_bytes:
+            raise ValueError(f"bad {qtype} weight: raw {raw.dtype} {tuple(raw.shape)} for rows of {k} values (need "
+                             f"uint8 [N, {k // per_block * block_bytes}], K a multiple of {per_block})")
+        self.raw, self.qtype, self.k = raw if raw.is_contiguous() else raw.contiguous(), qtype, k
+        self._int8: QuantizedWeight | None = None
         self._dense: torch.Tensor | None = None
 
     @property
@@ -331,55 +405,88 @@ class Q4_0Weight(BlockWeight):
     def nbytes(self) -> int:
         return self.raw.numel()
 
-    def levels(self, raw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q, d)``: int8 levels nibble - 8 [R, K] and float32 scales [R, K / 32] of ``raw`` (uint8
-        [R, K / 32 * 18] rows of blocks; default: all of W), the :class:`QuantizedWeight` form."""
+    def _segments(self) -> list[tuple]:
+        return [(_FMT[self.qtype], self.raw, None, None, 32, self.raw.shape[0])]
+
+    def _fallback(self) -> QuantizedWeight:
+        if self._int8 is None:
+            self._int8 = self.to_int8()
+        return self._int8
+
+    def levels(self, raw: torch.Tensor | None = None):
+        """``(q, scale, offset, group)`` of ``raw`` (uint8 rows of blocks; default: all of W): int8
+        levels [R, K], float32 scales and offsets (or None) [R, K / group], the :class:`QuantizedWeight`
+        form."""
+        from .ggml_blocks import to_int8_blocks
+
         raw = self.raw if raw is None else raw
-        n, nb = raw.shape[0], self.k // 32
-        b = raw.reshape(n, nb, Q4_0_BLOCK)
-        d = b[..., :2].contiguous().view(torch.float16)[..., 0].float()
-        qs = b[..., 2:]
-        q = (torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int8) - 8).reshape(n, self.k)
-        return q, d
+        q, s, o, g = to_int8_blocks(raw.cpu().numpy(), GGMLQuantizationType[self.qtype], raw.shape[0], self.k)
+        t = lambda a: None if a is None else torch.from_numpy(a).to(raw.device)  # noqa: E731
+        return t(q), t(s), t(o), g
 
     def to_int8(self) -> QuantizedWeight:
-        """The same weights as a :class:`QuantizedWeight` (int8 levels, group 32): twice the memory."""
-        q, d = self.levels()
-        return QuantizedWeight(q, d, None, 32)
-
-    def dequantize(self) -> torch.Tensor:
-        """W as float32 [N, K]."""
-        n, k = self.shape
-        lib = load_library() if self.raw.device.type == "cpu" else None
-        if lib is not None:
-            out = torch.empty(n, k, dtype=torch.float32)
-            lib.gs_dequant_q4_0(_ptr(self.raw), 0, n, k, _ptr(out), torch.get_num_threads())
-            return out
-        return self.rows(torch.arange(n, device=self.raw.device))
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of W as float32 [*ids.shape, K] (an embedding lookup); only those rows are
-        unpacked."""
-        q, d = self.levels(self.raw[ids.reshape(-1)])
-        w = q.view(-1, self.k // 32, 32).float() * d[..., None]
-        return w.view(*ids.shape, self.k)
+        """The same weights as a :class:`QuantizedWeight` (int8 levels): more memory."""
+        return QuantizedWeight(*self.levels())
 
     def to(self, device: torch.device | str) -> BlockWeight:
-        """On the CPU: a Q4_0Weight there; elsewhere (no Q4_0 kernel) the :class:`QuantizedWeight`
-        form on ``device``."""
+        """On the CPU: a StoredWeight there; elsewhere (no stored-block kernel yet) the
+        :class:`QuantizedWeight` form on ``device``."""
         d = torch.device(device)
         if d.type == "cpu":
-            return Q4_0Weight(self.raw.to(d), self.k)
+            return StoredWeight(self.raw.to(d), self.qtype, self.k)
         return self.to_int8().to(d)
 
-    @staticmethod
-    def cat(parts: list["Q4_0Weight"]) -> "Q4_0Weight":
-        """The rows of ``parts`` (same K) stacked along N, so one kernel call computes them all."""
-        return Q4_0Weight(torch.cat([p.raw for p in parts]), parts[0].k)
 
-    def _dequant_rows(self, lib, n0: int, n1: int, out: torch.Tensor) -> None:
-        lib.gs_dequant_q4_0(_ptr(self.raw), n0, n1, self.shape[1], _ptr(out), torch.get_num_threads())
+class StackedWeight(BlockWeight):
+    """Weight matrices of the same K side by side along N ([W_0; W_1; ...], e.g. q, k and v), multiplied
+    in one kernel call (one parallel loop over the tiles of all of them) without copying them into one
+    tensor, so each keeps its own format (a Q5_0 q with a Q8_0 v) and mapped weights stay mapped.
 
-    def _small(self, lib, x2: torch.Tensor, y: torch.Tensor) -> None:
-        n, k = self.shape
-        lib.gs_qmatmul_q4_0(_ptr(self.raw), n, k, _ptr(x2), x2.shape[0], _ptr(y), torch.get_num_threads())
+    Args:
+        parts: :class:`QuantizedWeight` / :class:`StoredWeight` objects with the same K, on one device
+            (at most 8); those with offsets (Q4_K, int8 with offsets) over one block size.
+
+    Raises:
+        ValueError: different K, devices, offset block sizes, or too many parts.
+    """
+
+    def __init__(self, parts: list[BlockWeight]):
+        parts = [q for p in parts for q in (p.parts if isinstance(p, StackedWeight) else [p])]
+        k = parts[0].shape[1]
+        offset_groups = {p._offset_group() for p in parts} - {None}
+        if (len(parts) > 8 or any(p.shape[1] != k for p in parts) or len({p._device for p in parts}) > 1
+                or len(offset_groups) > 1):
+            raise ValueError(f"cannot stack {len(parts)} weights of shapes {[p.shape for p in parts]} (same K, one "
+                             "device, at most 8, offsets over one block size)")
+        self.parts = parts
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def _segments(self) -> list[tuple]:
+        return [s for p in self.parts for s in p._segments()]
+
+    def _fallback(self) -> "StackedWeight":
+        return StackedWeight([p._fallback() for p in self.parts])
+
+    def dequantize(self) -> torch.Tensor:
+        if self._device.type != "cpu" or load_library() is None:
+            return torch.cat([p.dequantize() for p in self.parts])
+        return super().dequantize()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dequantize()[ids]
+
+    def to(self, device: torch.device | str) -> "StackedWeight":
+        return StackedWeight([p.to(device) for p in self.parts])
+
+
+def Q4_0Weight(raw: torch.Tensor, k: int) -> StoredWeight:
+    """A Q4_0 :class:`StoredWeight` (raw uint8 [N, K / 32 * 18])."""
+    return StoredWeight(raw, "Q4_0", k)

@@ -1,33 +1,33 @@
 /*
- * gemmaspec CPU kernels: products of fp32 activations with block-quantized int8 weights.
- *
- * Weight layout ("int8 blocks"): q int8 [N, K] (row n = output feature n, along the input dim K),
- * scale fp32 [N, K/G] and optional offset fp32 [N, K/G], with G = 16 or 32. Weight value:
- *     W[n, k] = scale[n, k/G] * q[n, k] + offset[n, k/G]
- * Every GGML block format whose values are small integers times a per-block scale (Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0, and the K-quants Q4_K, Q5_K, Q6_K, whose sub-blocks are 16 or 32 wide) maps
- * onto this layout without rounding, so the product is the exact dequantized weight times fp32 x.
+ * gemmaspec CPU kernels: products of fp32 activations with block-quantized weights, read as stored.
  *
  * y[m, n] = sum_k x[m, k] * W[n, k]   (fp32 accumulation; activations are never quantized).
  *
- * The per-(m, n) order of operations does not depend on M: a row of x gives bit-identical output
- * whether it is multiplied alone or with other rows (batch invariance). It does not depend on the
- * instruction set either: every path (AVX-512, AVX2+FMA, portable C) computes each output as 16
- * lane accumulators, lane u of block b adding scale * (q0*x0 + q1*x1) (G = 32: one multiply, then
- * fused multiply-adds) or fma(q*scale, x, acc) (G = 16), and reduces the 16 lanes in the same tree
- * (reduce16), so a machine's results do not depend on which path it was built with.
+ * Weight formats (fmt), each holding row n of W (output feature n, along the input dim K):
+ *   FMT_I8   int8 levels q [N, K], fp32 scale [N, K/G] and optional fp32 offset [N, K/G], G = 16 or 32:
+ *            W[n, k] = scale[n, k/G] * q[n, k] + offset[n, k/G]  (the form every GGML block type
+ *            converts to without rounding; see ggml_blocks.py).
+ *   FMT_Q4_0, FMT_Q8_0, FMT_Q5_0, FMT_Q4_K, FMT_Q6_K: the ggml blocks exactly as stored in a GGUF file
+ *            (ggml-common.h: block_q4_0 18 bytes / 32 values, block_q8_0 34 / 32, block_q5_0 22 / 32,
+ *            block_q4_K 144 / 256, block_q6_K 210 / 256), rows of K / block-size blocks.
+ * A stored block is unpacked in registers into the same int8 levels, fp32 scale (and offset) that the
+ * int8 form holds for it (Q4_0: nibble - 8, scale d; Q8_0: q, d; Q5_0: (nibble | bit << 4) - 16, d;
+ * Q4_K: sub-block j of 32: nibble, scale d * sc_j, offset -(dmin * m_j); Q6_K: sub-block of 16:
+ * (low4 | high2 << 4) - 32, scale d * sc), and then goes through exactly the same fp32 operations,
+ * so every format gives bit-identical results to FMT_I8 on its converted weights.
  *
- * Q4_0 as stored (gs_qmatmul_q4_0): N rows of K/32 ggml block_q4_0 (18 bytes: fp16 d, then 16
- * bytes whose low nibbles are values 0..15 and high nibbles values 16..31; value = d * (nibble - 8)),
- * read straight from the file's bytes (0.5625 bytes per weight instead of 1.125 as int8 levels). The
- * nibbles are unpacked in registers and go through exactly the same per-lane operations as int8 levels
- * q = nibble - 8 with scale = (float)d and G = 32, so its output is bit-identical to gs_qmatmul on the
- * converted weights. The tiling is shared: every tile function takes the weight format (FMT_I8,
- * FMT_Q4_0) as a compile-time constant and loads a block through load_block32_* for that format.
+ * Order of operations per (m, n), the same on every path and for every M (batch invariance: a row of
+ * x gives the same bits multiplied alone or with other rows): 16 lane accumulators; for G = 32, lane u
+ * of block b adds scale * (q_u * x_u + q_{16+u} * x_{16+u}) (one multiply, then fused multiply-adds);
+ * for G = 16, fma(q_u * scale, x_u, acc); the 16 lanes are reduced in one fixed tree (reduce16); the
+ * offset term sum_b offset_b * sum(x over block b) is added last.
  *
  * Paths: AVX-512F when the compiler targets it (and GS_NO_AVX512 is not defined), else AVX2+FMA,
- * else portable C (also forced with -DGS_PORTABLE). gemmaspec.kernels builds with -march=native;
+ * else ARM NEON (AArch64), else portable C (also forced with -DGS_PORTABLE). All keep the order above,
+ * so they agree bit for bit. (Dot-product instructions such as AVX-512 VNNI or ARM's dotprod multiply
+ * int8 by int8; with fp32 activations they do not apply.) gemmaspec.kernels builds with -march=native;
  * GEMMASPEC_ISA=avx2 adds -mno-avx512f so the AVX2 path can be built and measured on an AVX-512 CPU.
+ * Block formats: ggml's ggml-common.h, as documented by the gguf package (gguf/quants.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,9 +36,14 @@
 #define GS_AVX512 1
 #elif !defined(GS_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
 #define GS_AVX2 1
+#elif !defined(GS_PORTABLE) && defined(__aarch64__) && defined(__ARM_NEON)
+#define GS_NEON 1
 #endif
 #if defined(GS_AVX512) || defined(GS_AVX2)
 #include <immintrin.h>
+#endif
+#ifdef GS_NEON
+#include <arm_neon.h>
 #endif
 
 const char *gs_isa(void) {
@@ -46,6 +51,8 @@ const char *gs_isa(void) {
     return "avx512";
 #elif defined(GS_AVX2)
     return "avx2";
+#elif defined(GS_NEON)
+    return "neon";
 #else
     return "portable";
 #endif
@@ -63,13 +70,47 @@ const char *gs_isa(void) {
 #define PF_BYTES 8192 /* software prefetch distance along the weight stream: one core alone cannot
                          keep enough cache misses in flight to read at full memory bandwidth */
 
-/* Weight formats. A tile function sees row r of the weights as wr[r] (int8 levels, or Q4_0 blocks)
- * and sr[r] (its fp32 scales; unused for Q4_0, whose scales sit inside the blocks). */
+/* Weight formats (the numbers gemmaspec.kernels passes). */
 #define FMT_I8 0
 #define FMT_Q4_0 1
-#define Q4_0_BYTES 18 /* ggml block_q4_0: fp16 d + 16 bytes of nibbles, 32 values */
+#define FMT_Q8_0 2
+#define FMT_Q5_0 3
+#define FMT_Q4_K 4
+#define FMT_Q6_K 5
+#define Q4_0_BYTES 18
+#define Q8_0_BYTES 34
+#define Q5_0_BYTES 22
+#define Q4_K_BYTES 144
+#define Q6_K_BYTES 210
 
-static inline long row_bytes(const int fmt, int K) { return fmt == FMT_Q4_0 ? (long)(K / 32) * Q4_0_BYTES : K; }
+/* Values per scale (G) of a format; FMT_I8 carries its own. */
+static inline int fmt_group(const int fmt, int G) { return fmt == FMT_I8 ? G : fmt == FMT_Q6_K ? 16 : 32; }
+
+static inline int fmt_has_offsets(const int fmt, const float *o) { return fmt == FMT_Q4_K || (fmt == FMT_I8 && o); }
+
+/* Bytes of one row of K values. */
+static inline long row_bytes(const int fmt, int K) {
+    switch (fmt) {
+        case FMT_Q4_0: return (long)(K / 32) * Q4_0_BYTES;
+        case FMT_Q8_0: return (long)(K / 32) * Q8_0_BYTES;
+        case FMT_Q5_0: return (long)(K / 32) * Q5_0_BYTES;
+        case FMT_Q4_K: return (long)(K / 256) * Q4_K_BYTES;
+        case FMT_Q6_K: return (long)(K / 256) * Q6_K_BYTES;
+        default: return K;
+    }
+}
+
+/* Approximate byte position of group-block b in a row, and bytes per group-block (for prefetching). */
+static inline int fmt_block_bytes(const int fmt, int G) {
+    switch (fmt) {
+        case FMT_Q4_0: return Q4_0_BYTES;
+        case FMT_Q8_0: return Q8_0_BYTES;
+        case FMT_Q5_0: return Q5_0_BYTES;
+        case FMT_Q4_K: return Q4_K_BYTES / 8;
+        case FMT_Q6_K: return Q6_K_BYTES / 16 + 1;
+        default: return G;
+    }
+}
 
 /* IEEE fp16 (little-endian bytes at p) to fp32, exactly (every fp16 is an fp32). */
 static inline float f16_to_f32(const uint8_t *p) {
@@ -99,11 +140,97 @@ static inline float f16_to_f32(const uint8_t *p) {
 #endif
 }
 
-static void offsets_term(const float *o, int nb, const float *xsum, int M, float *out) {
-    /* out[m] = sum_b o[b] * xsum[m, b] */
+/* Q4_K sub-block j (0..7) of a super-block: its 6-bit scale and min from the 12 packed bytes. */
+static inline void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Scale of group-block b of one stored row (G = 32 formats; Q6_K: b counts blocks of 16). */
+static inline float stored_scale(const int fmt, const uint8_t *w, int b) {
+    switch (fmt) {
+        case FMT_Q4_0: return f16_to_f32(w + (long)b * Q4_0_BYTES);
+        case FMT_Q8_0: return f16_to_f32(w + (long)b * Q8_0_BYTES);
+        case FMT_Q5_0: return f16_to_f32(w + (long)b * Q5_0_BYTES);
+        case FMT_Q4_K: {
+            const uint8_t *blk = w + (long)(b >> 3) * Q4_K_BYTES;
+            int sc, m;
+            q4_k_scale_min(blk + 4, b & 7, &sc, &m);
+            return f16_to_f32(blk) * (float)sc;
+        }
+        default: { /* FMT_Q6_K */
+            const uint8_t *blk = w + (long)(b >> 4) * Q6_K_BYTES;
+            return f16_to_f32(blk + 208) * (float)(int8_t)blk[192 + (b & 15)];
+        }
+    }
+}
+
+/* Offset of group-block b: FMT_I8 from o (0 when absent), Q4_K -(dmin * m_j), others 0. */
+static inline float block_offset(const int fmt, const void *w, const float *o, int b) {
+    if (fmt == FMT_Q4_K) {
+        const uint8_t *blk = (const uint8_t *)w + (long)(b >> 3) * Q4_K_BYTES;
+        int sc, m;
+        q4_k_scale_min(blk + 4, b & 7, &sc, &m);
+        return -(f16_to_f32(blk + 2) * (float)m);
+    }
+    return (fmt == FMT_I8 && o) ? o[b] : 0.f;
+}
+
+/* Levels of group-block b of one row as int8, portable C (the reference unpacking; also used by the
+ * dequantizers): G values into q, their scale into *sc. */
+static inline void levels_scalar(const int fmt, const void *wv, const float *s, int b, int G, int8_t q[32],
+                                 float *sc) {
+    const uint8_t *w = (const uint8_t *)wv;
+    switch (fmt) {
+        case FMT_Q4_0: {
+            const uint8_t *blk = w + (long)b * Q4_0_BYTES;
+            for (int j = 0; j < 16; j++) {
+                q[j] = (int8_t)((blk[2 + j] & 0x0F) - 8);
+                q[j + 16] = (int8_t)((blk[2 + j] >> 4) - 8);
+            }
+            break;
+        }
+        case FMT_Q8_0: memcpy(q, w + (long)b * Q8_0_BYTES + 2, 32); break;
+        case FMT_Q5_0: {
+            const uint8_t *blk = w + (long)b * Q5_0_BYTES;
+            const uint32_t qh = (uint32_t)blk[2] | ((uint32_t)blk[3] << 8) | ((uint32_t)blk[4] << 16) |
+                                ((uint32_t)blk[5] << 24);
+            for (int j = 0; j < 16; j++) {
+                q[j] = (int8_t)(((blk[6 + j] & 0x0F) | (((qh >> j) & 1) << 4)) - 16);
+                q[j + 16] = (int8_t)(((blk[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+            }
+            break;
+        }
+        case FMT_Q4_K: {
+            const uint8_t *qs = w + (long)(b >> 3) * Q4_K_BYTES + 16 + ((b & 7) >> 1) * 32;
+            const int shift = 4 * (b & 1);
+            for (int j = 0; j < 32; j++) q[j] = (int8_t)((qs[j] >> shift) & 0x0F);
+            break;
+        }
+        case FMT_Q6_K: {
+            const uint8_t *blk = w + (long)(b >> 4) * Q6_K_BYTES;
+            const int s16 = b & 15, h = s16 >> 3, i = (s16 & 7) >> 1, l0 = (s16 & 1) * 16;
+            const uint8_t *ql = blk + h * 64 + (i & 1) * 32 + l0, *qh = blk + 128 + h * 32 + l0;
+            for (int j = 0; j < 16; j++)
+                q[j] = (int8_t)((((ql[j] >> (4 * (i >> 1))) & 0x0F) | (((qh[j] >> (2 * i)) & 3) << 4)) - 32);
+            break;
+        }
+        default: memcpy(q, (const int8_t *)wv + (long)b * G, G); *sc = s[b]; return;
+    }
+    *sc = stored_scale(fmt, w, b);
+}
+
+static void offsets_term(const int fmt, const void *w, const float *o, int nb, const float *xsum, int M,
+                         float *out) {
+    /* out[m] = sum_b offset_b * xsum[m, b] */
     for (int m = 0; m < M; m++) {
         float acc = 0.f;
-        for (int b = 0; b < nb; b++) acc += o[b] * xsum[(long)m * nb + b];
+        for (int b = 0; b < nb; b++) acc += block_offset(fmt, w, o, b) * xsum[(long)m * nb + b];
         out[m] = acc;
     }
 }
@@ -125,31 +252,93 @@ static inline float reduce16(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
 }
 
-/* Prefetch the weight (and scale) streams of nr rows ahead of block b: every 64 bytes of int8 q, and
- * every second 18-byte Q4_0 block (36 bytes, so no cache line of the stream is skipped). */
+/* Prefetch the weight (and int8 scale) streams of nr rows ahead of group-block b, once per cache line
+ * of the stream. */
 static inline __attribute__((always_inline)) void prefetch_rows(const int fmt, const void *const wr[],
                                                                 const float *const sr[], int nr, int b, int G) {
-    if (fmt == FMT_Q4_0) {
-        if (b & 1) return;
-        for (int r = 0; r < nr; r++)
-            _mm_prefetch((const char *)wr[r] + (long)b * Q4_0_BYTES + PF_BYTES, _MM_HINT_T0);
-        return;
-    }
-    const int k = b * G, per_line = 64 / G; /* blocks per cache line of q */
-    if (b % per_line) return;
+    const int bb = fmt_block_bytes(fmt, G);
+    const long pos = (long)b * bb;
+    if (b && (pos >> 6) == ((pos - bb) >> 6)) return; /* this cache line was prefetched already */
     for (int r = 0; r < nr; r++) {
-        _mm_prefetch((const char *)wr[r] + k + PF_BYTES, _MM_HINT_T0);
-        if ((b & 15) == 0) _mm_prefetch((const char *)(sr[r] + b + PF_BYTES * 4 / G), _MM_HINT_T0);
+        _mm_prefetch((const char *)wr[r] + pos + PF_BYTES, _MM_HINT_T0);
+        if (fmt == FMT_I8 && (b & 15) == 0) _mm_prefetch((const char *)(sr[r] + b + PF_BYTES * 4 / G), _MM_HINT_T0);
     }
 }
 
-/* The 32 nibbles of a Q4_0 block's 16 bytes as int8 levels nibble - 8: values 0..15 (low nibbles) in
- * *lo, values 16..31 (high nibbles) in *hi. */
-static inline void q4_0_levels(const uint8_t *blk, __m128i *lo, __m128i *hi) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 2));
-    const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    *lo = _mm_sub_epi8(_mm_and_si128(v, mask), eight);
-    *hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), eight);
+/* 16 bits (bit j for byte j) as bytes 0x10 where set, 0 elsewhere (Q5_0's fifth bit). */
+static inline __m128i bits_to_0x10(uint32_t bits16) {
+    const __m128i v = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)bits16),
+                                       _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
+    const __m128i bit = _mm_set_epi8((char)0x80, 64, 32, 16, 8, 4, 2, 1, (char)0x80, 64, 32, 16, 8, 4, 2, 1);
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, bit), bit), _mm_set1_epi8(0x10));
+}
+
+static inline __m128i nibbles(__m128i v, int shift) {
+    return _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm_set1_epi8(0x0F));
+}
+
+/* Group-block b (G = 32 formats) of one row as int8 levels: values 0..15 in *lo, 16..31 in *hi; its
+ * scale in *sc. The same levels and scale as levels_scalar. */
+static inline __attribute__((always_inline)) void levels32(const int fmt, const void *wv, const float *s, int b,
+                                                           __m128i *lo, __m128i *hi, float *sc) {
+    const uint8_t *w = (const uint8_t *)wv;
+    switch (fmt) {
+        case FMT_Q4_0: {
+            const uint8_t *blk = w + (long)b * Q4_0_BYTES;
+            const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 2)), eight = _mm_set1_epi8(8);
+            *lo = _mm_sub_epi8(nibbles(v, 0), eight);
+            *hi = _mm_sub_epi8(nibbles(v, 4), eight);
+            *sc = f16_to_f32(blk);
+            return;
+        }
+        case FMT_Q8_0: {
+            const uint8_t *blk = w + (long)b * Q8_0_BYTES;
+            *lo = _mm_loadu_si128((const __m128i *)(blk + 2));
+            *hi = _mm_loadu_si128((const __m128i *)(blk + 18));
+            *sc = f16_to_f32(blk);
+            return;
+        }
+        case FMT_Q5_0: {
+            const uint8_t *blk = w + (long)b * Q5_0_BYTES;
+            uint32_t qh;
+            memcpy(&qh, blk + 2, 4); /* little-endian, as x86 reads it */
+            const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 6)), sixteen = _mm_set1_epi8(16);
+            *lo = _mm_sub_epi8(_mm_or_si128(nibbles(v, 0), bits_to_0x10(qh & 0xFFFF)), sixteen);
+            *hi = _mm_sub_epi8(_mm_or_si128(nibbles(v, 4), bits_to_0x10(qh >> 16)), sixteen);
+            *sc = f16_to_f32(blk);
+            return;
+        }
+        case FMT_Q4_K: {
+            const uint8_t *qs = w + (long)(b >> 3) * Q4_K_BYTES + 16 + ((b & 7) >> 1) * 32;
+            const int shift = 4 * (b & 1);
+            *lo = nibbles(_mm_loadu_si128((const __m128i *)qs), shift);
+            *hi = nibbles(_mm_loadu_si128((const __m128i *)(qs + 16)), shift);
+            *sc = stored_scale(FMT_Q4_K, w, b);
+            return;
+        }
+        default: { /* FMT_I8, G = 32 */
+            const int8_t *q = (const int8_t *)wv + (long)b * 32;
+            *lo = _mm_loadu_si128((const __m128i *)q);
+            *hi = _mm_loadu_si128((const __m128i *)(q + 16));
+            *sc = s[b];
+        }
+    }
+}
+
+/* Group-block b (G = 16 formats: FMT_I8 with G = 16, Q6_K) of one row as 16 int8 levels and scale. */
+static inline __attribute__((always_inline)) __m128i levels16(const int fmt, const void *wv, const float *s, int b,
+                                                              float *sc) {
+    if (fmt == FMT_Q6_K) {
+        const uint8_t *blk = (const uint8_t *)wv + (long)(b >> 4) * Q6_K_BYTES;
+        const int s16 = b & 15, h = s16 >> 3, i = (s16 & 7) >> 1, l0 = (s16 & 1) * 16;
+        const __m128i ql = _mm_loadu_si128((const __m128i *)(blk + h * 64 + (i & 1) * 32 + l0));
+        const __m128i qh = _mm_loadu_si128((const __m128i *)(blk + 128 + h * 32 + l0));
+        const __m128i hi2 = _mm_and_si128(_mm_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), _mm_set1_epi8(3));
+        *sc = stored_scale(FMT_Q6_K, (const uint8_t *)wv, b);
+        return _mm_sub_epi8(_mm_or_si128(nibbles(ql, 4 * (i >> 1)), _mm_slli_epi16(hi2, 4)), _mm_set1_epi8(32));
+    }
+    *sc = s[b];
+    return _mm_loadu_si128((const __m128i *)((const int8_t *)wv + (long)b * 16));
 }
 #endif
 
@@ -159,26 +348,6 @@ static inline float reduce512(__m512 a) {
 }
 
 static inline __m512 cvt16(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
-
-static inline __m512 load16(const int8_t *p) { return cvt16(_mm_loadu_si128((const __m128i *)p)); }
-
-/* Block b (G = 32) of one weight row: values 0..15 in *w0, 16..31 in *w1, its scale broadcast in *sc. */
-static inline __attribute__((always_inline)) void load_block32_512(const int fmt, const void *w, const float *s,
-                                                                   int b, __m512 *w0, __m512 *w1, __m512 *sc) {
-    if (fmt == FMT_Q4_0) {
-        const uint8_t *blk = (const uint8_t *)w + (long)b * Q4_0_BYTES;
-        __m128i lo, hi;
-        q4_0_levels(blk, &lo, &hi);
-        *w0 = cvt16(lo);
-        *w1 = cvt16(hi);
-        *sc = _mm512_set1_ps(f16_to_f32(blk));
-    } else {
-        const int8_t *q = (const int8_t *)w + b * 32;
-        *w0 = load16(q);
-        *w1 = load16(q + 16);
-        *sc = _mm512_set1_ps(s[b]);
-    }
-}
 
 /* res[r*RS + m] = sum_k x[m, k] * scale-applied q[r, k] for NR rows of weights (format fmt).
  * fmt and M are compile-time constants at each call site (always_inline), so the accumulators stay in
@@ -190,7 +359,7 @@ static inline __attribute__((always_inline)) void tile_dot(const int fmt, const 
     for (int r = 0; r < NR; r++)
         for (int m = 0; m < MB; m++) acc[r][m] = _mm512_setzero_ps();
     const int nb = K / G;
-    if (fmt == FMT_Q4_0 || G == 32) {
+    if (G == 32) {
         for (int b = 0; b < nb; b++) {
             const int k = b * 32;
             prefetch_rows(fmt, wr, sr, NR, b, 32);
@@ -200,8 +369,10 @@ static inline __attribute__((always_inline)) void tile_dot(const int fmt, const 
                 x1[m] = _mm512_loadu_ps(x + m * ldx + k + 16);
             }
             for (int r = 0; r < NR; r++) {
-                __m512 w0, w1, sc;
-                load_block32_512(fmt, wr[r], sr[r], b, &w0, &w1, &sc);
+                __m128i lo, hi;
+                float s;
+                levels32(fmt, wr[r], sr[r], b, &lo, &hi, &s);
+                const __m512 w0 = cvt16(lo), w1 = cvt16(hi), sc = _mm512_set1_ps(s);
                 for (int m = 0; m < M; m++) {
                     __m512 t = _mm512_mul_ps(w0, x0[m]);
                     t = _mm512_fmadd_ps(w1, x1[m], t);
@@ -209,14 +380,16 @@ static inline __attribute__((always_inline)) void tile_dot(const int fmt, const 
                 }
             }
         }
-    } else { /* int8, G == 16 */
+    } else { /* G == 16 */
         for (int b = 0; b < nb; b++) {
             const int k = b * 16;
             prefetch_rows(fmt, wr, sr, NR, b, 16);
             __m512 x0[MB];
             for (int m = 0; m < M; m++) x0[m] = _mm512_loadu_ps(x + m * ldx + k);
             for (int r = 0; r < NR; r++) {
-                const __m512 w = _mm512_mul_ps(load16((const int8_t *)wr[r] + k), _mm512_set1_ps(sr[r][b]));
+                float s;
+                const __m128i v = levels16(fmt, wr[r], sr[r], b, &s);
+                const __m512 w = _mm512_mul_ps(cvt16(v), _mm512_set1_ps(s));
                 for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(w, x0[m], acc[r][m]);
             }
         }
@@ -236,13 +409,15 @@ static inline __attribute__((always_inline)) void tile_dot_wide(const int fmt, c
     for (int r = 0; r < 2; r++)
         for (int m = 0; m < MW; m++) acc[r][m] = _mm512_setzero_ps();
     const int nb = K / G;
-    if (fmt == FMT_Q4_0 || G == 32) {
+    if (G == 32) {
         for (int b = 0; b < nb; b++) {
             const int k = b * 32;
             prefetch_rows(fmt, wr, sr, 2, b, 32);
             for (int r = 0; r < 2; r++) {
-                __m512 w0, w1, sc;
-                load_block32_512(fmt, wr[r], sr[r], b, &w0, &w1, &sc);
+                __m128i lo, hi;
+                float s;
+                levels32(fmt, wr[r], sr[r], b, &lo, &hi, &s);
+                const __m512 w0 = cvt16(lo), w1 = cvt16(hi), sc = _mm512_set1_ps(s);
                 for (int m = 0; m < M; m++) {
                     __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(x + m * ldx + k));
                     t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * ldx + k + 16), t);
@@ -255,7 +430,9 @@ static inline __attribute__((always_inline)) void tile_dot_wide(const int fmt, c
             const int k = b * 16;
             prefetch_rows(fmt, wr, sr, 2, b, 16);
             for (int r = 0; r < 2; r++) {
-                const __m512 w = _mm512_mul_ps(load16((const int8_t *)wr[r] + k), _mm512_set1_ps(sr[r][b]));
+                float s;
+                const __m128i v = levels16(fmt, wr[r], sr[r], b, &s);
+                const __m512 w = _mm512_mul_ps(cvt16(v), _mm512_set1_ps(s));
                 for (int m = 0; m < M; m++)
                     acc[r][m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * ldx + k), acc[r][m]);
             }
@@ -266,31 +443,6 @@ static inline __attribute__((always_inline)) void tile_dot_wide(const int fmt, c
 }
 #elif defined(GS_AVX2)
 static inline __m256 cvt8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
-
-static inline __m256 load8(const int8_t *p) { return cvt8(_mm_loadl_epi64((const __m128i *)p)); }
-
-/* Block b (G = 32) of one weight row as four 8-lane vectors (values 0-7, 8-15, 16-23, 24-31) and its
- * scale broadcast in *sc. */
-static inline __attribute__((always_inline)) void load_block32_256(const int fmt, const void *w, const float *s,
-                                                                   int b, __m256 v[4], __m256 *sc) {
-    if (fmt == FMT_Q4_0) {
-        const uint8_t *blk = (const uint8_t *)w + (long)b * Q4_0_BYTES;
-        __m128i lo, hi;
-        q4_0_levels(blk, &lo, &hi);
-        v[0] = cvt8(lo);
-        v[1] = cvt8(_mm_srli_si128(lo, 8));
-        v[2] = cvt8(hi);
-        v[3] = cvt8(_mm_srli_si128(hi, 8));
-        *sc = _mm256_set1_ps(f16_to_f32(blk));
-    } else {
-        const int8_t *q = (const int8_t *)w + b * 32;
-        v[0] = load8(q);
-        v[1] = load8(q + 8);
-        v[2] = load8(q + 16);
-        v[3] = load8(q + 24);
-        *sc = _mm256_set1_ps(s[b]);
-    }
-}
 
 /* R weight rows (R * M <= 4: 8 accumulator registers of the 16 AVX2 has) against M rows of x. Each
  * 16-lane accumulator of the AVX-512 path is a (lo, hi) pair of 8-lane registers here, with the same
@@ -303,32 +455,36 @@ static inline __attribute__((always_inline)) void tile_avx2(const int fmt, const
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) lo[r][m] = hi[r][m] = _mm256_setzero_ps();
     const int nb = K / G;
-    if (fmt == FMT_Q4_0 || G == 32) {
+    if (G == 32) {
         for (int b = 0; b < nb; b++) {
             const int k = b * 32;
             prefetch_rows(fmt, wr, sr, R, b, 32);
             for (int r = 0; r < R; r++) {
-                __m256 w[4], sc;
-                load_block32_256(fmt, wr[r], sr[r], b, w, &sc);
+                __m128i ql, qhi;
+                float s;
+                levels32(fmt, wr[r], sr[r], b, &ql, &qhi, &s);
+                const __m256 w0 = cvt8(ql), w1 = cvt8(_mm_srli_si128(ql, 8));
+                const __m256 w2 = cvt8(qhi), w3 = cvt8(_mm_srli_si128(qhi, 8)), sc = _mm256_set1_ps(s);
                 for (int m = 0; m < M; m++) {
                     const float *xp = x + m * ldx + k;
-                    __m256 tl = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
-                    __m256 th = _mm256_mul_ps(w[1], _mm256_loadu_ps(xp + 8));
-                    tl = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp + 16), tl);
-                    th = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp + 24), th);
+                    __m256 tl = _mm256_mul_ps(w0, _mm256_loadu_ps(xp));
+                    __m256 th = _mm256_mul_ps(w1, _mm256_loadu_ps(xp + 8));
+                    tl = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xp + 16), tl);
+                    th = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp + 24), th);
                     lo[r][m] = _mm256_fmadd_ps(tl, sc, lo[r][m]);
                     hi[r][m] = _mm256_fmadd_ps(th, sc, hi[r][m]);
                 }
             }
         }
-    } else { /* int8, G == 16 */
+    } else { /* G == 16 */
         for (int b = 0; b < nb; b++) {
             const int k = b * 16;
             prefetch_rows(fmt, wr, sr, R, b, 16);
             for (int r = 0; r < R; r++) {
-                const int8_t *q = (const int8_t *)wr[r] + k;
-                const __m256 sc = _mm256_set1_ps(sr[r][b]);
-                const __m256 wl = _mm256_mul_ps(load8(q), sc), wh = _mm256_mul_ps(load8(q + 8), sc);
+                float s;
+                const __m128i v = levels16(fmt, wr[r], sr[r], b, &s);
+                const __m256 sc = _mm256_set1_ps(s);
+                const __m256 wl = _mm256_mul_ps(cvt8(v), sc), wh = _mm256_mul_ps(cvt8(_mm_srli_si128(v, 8)), sc);
                 for (int m = 0; m < M; m++) {
                     const float *xp = x + m * ldx + k;
                     lo[r][m] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xp), lo[r][m]);
@@ -340,39 +496,155 @@ static inline __attribute__((always_inline)) void tile_avx2(const int fmt, const
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) res[r * RS + m] = reduce16(lo[r][m], hi[r][m]);
 }
-#else
-/* Block b of one weight row as int8 levels and its scale: int8 rows point into q (G values), Q4_0
- * blocks are unpacked into buf (32 values). */
-static inline __attribute__((always_inline)) const int8_t *load_block_portable(const int fmt, const void *w,
-                                                                              const float *s, int b, int G,
-                                                                              int8_t buf[32], float *sc) {
-    if (fmt == FMT_Q4_0) {
-        const uint8_t *blk = (const uint8_t *)w + (long)b * Q4_0_BYTES;
-        for (int j = 0; j < 16; j++) {
-            buf[j] = (int8_t)((blk[2 + j] & 0x0F) - 8);
-            buf[j + 16] = (int8_t)((blk[2 + j] >> 4) - 8);
-        }
-        *sc = f16_to_f32(blk);
-        return buf;
-    }
-    *sc = s[b];
-    return (const int8_t *)w + b * G;
+#elif defined(GS_NEON)
+/* AArch64 NEON: each 16-lane accumulator is four 4-lane registers (lanes 0-3, 4-7, 8-11, 12-15) with
+ * the same per-lane operations (vfmaq_f32 is a fused multiply-add) and the same reduction tree. */
+static inline float reduce16_neon(const float32x4_t a[4]) {
+    const float32x4_t t6 = vaddq_f32(vaddq_f32(a[3], a[1]), vaddq_f32(a[2], a[0]));
+    return (vgetq_lane_f32(t6, 0) + vgetq_lane_f32(t6, 2)) + (vgetq_lane_f32(t6, 1) + vgetq_lane_f32(t6, 3));
 }
 
+static inline void cvt16_neon(int8x16_t v, float32x4_t out[4]) {
+    const int16x8_t l = vmovl_s8(vget_low_s8(v)), h = vmovl_s8(vget_high_s8(v));
+    out[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(l)));
+    out[1] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(l)));
+    out[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+    out[3] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(h)));
+}
+
+static inline uint8x16_t nibbles_neon(uint8x16_t v, int shift) {
+    return vandq_u8(vshlq_u8(v, vdupq_n_s8((int8_t)-shift)), vdupq_n_u8(0x0F));
+}
+
+/* 16 bits (bit j for byte j) as bytes 0x10 where set (Q5_0's fifth bit). */
+static inline uint8x16_t bits_to_0x10_neon(uint32_t bits16) {
+    static const uint8_t bit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x16_t v = vcombine_u8(vdup_n_u8((uint8_t)(bits16 & 0xFF)), vdup_n_u8((uint8_t)(bits16 >> 8)));
+    return vandq_u8(vtstq_u8(v, vld1q_u8(bit)), vdupq_n_u8(0x10));
+}
+
+static inline __attribute__((always_inline)) void levels32_neon(const int fmt, const void *wv, const float *s, int b,
+                                                                int8x16_t *lo, int8x16_t *hi, float *sc) {
+    const uint8_t *w = (const uint8_t *)wv;
+    switch (fmt) {
+        case FMT_Q4_0: {
+            const uint8_t *blk = w + (long)b * Q4_0_BYTES;
+            const uint8x16_t v = vld1q_u8(blk + 2);
+            *lo = vsubq_s8(vreinterpretq_s8_u8(nibbles_neon(v, 0)), vdupq_n_s8(8));
+            *hi = vsubq_s8(vreinterpretq_s8_u8(nibbles_neon(v, 4)), vdupq_n_s8(8));
+            *sc = f16_to_f32(blk);
+            return;
+        }
+        case FMT_Q8_0: {
+            const uint8_t *blk = w + (long)b * Q8_0_BYTES;
+            *lo = vld1q_s8((const int8_t *)(blk + 2));
+            *hi = vld1q_s8((const int8_t *)(blk + 18));
+            *sc = f16_to_f32(blk);
+            return;
+        }
+        case FMT_Q5_0: {
+            const uint8_t *blk = w + (long)b * Q5_0_BYTES;
+            const uint32_t qh = (uint32_t)blk[2] | ((uint32_t)blk[3] << 8) | ((uint32_t)blk[4] << 16) |
+                                ((uint32_t)blk[5] << 24);
+            const uint8x16_t v = vld1q_u8(blk + 6);
+            *lo = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(nibbles_neon(v, 0), bits_to_0x10_neon(qh & 0xFFFF))),
+                           vdupq_n_s8(16));
+            *hi = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(nibbles_neon(v, 4), bits_to_0x10_neon(qh >> 16))),
+                           vdupq_n_s8(16));
+            *sc = f16_to_f32(blk);
+            return;
+        }
+        case FMT_Q4_K: {
+            const uint8_t *qs = w + (long)(b >> 3) * Q4_K_BYTES + 16 + ((b & 7) >> 1) * 32;
+            const int shift = 4 * (b & 1);
+            *lo = vreinterpretq_s8_u8(nibbles_neon(vld1q_u8(qs), shift));
+            *hi = vreinterpretq_s8_u8(nibbles_neon(vld1q_u8(qs + 16), shift));
+            *sc = stored_scale(FMT_Q4_K, w, b);
+            return;
+        }
+        default: {
+            const int8_t *q = (const int8_t *)wv + (long)b * 32;
+            *lo = vld1q_s8(q);
+            *hi = vld1q_s8(q + 16);
+            *sc = s[b];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) int8x16_t levels16_neon(const int fmt, const void *wv, const float *s,
+                                                                     int b, float *sc) {
+    if (fmt == FMT_Q6_K) {
+        const uint8_t *blk = (const uint8_t *)wv + (long)(b >> 4) * Q6_K_BYTES;
+        const int s16 = b & 15, h = s16 >> 3, i = (s16 & 7) >> 1, l0 = (s16 & 1) * 16;
+        const uint8x16_t ql = vld1q_u8(blk + h * 64 + (i & 1) * 32 + l0), qh = vld1q_u8(blk + 128 + h * 32 + l0);
+        const uint8x16_t hi2 = vandq_u8(vshlq_u8(qh, vdupq_n_s8((int8_t)(-2 * i))), vdupq_n_u8(3));
+        *sc = stored_scale(FMT_Q6_K, (const uint8_t *)wv, b);
+        return vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(nibbles_neon(ql, 4 * (i >> 1)), vshlq_n_u8(hi2, 4))),
+                        vdupq_n_s8(32));
+    }
+    *sc = s[b];
+    return vld1q_s8((const int8_t *)wv + (long)b * 16);
+}
+
+/* R weight rows (R * M <= 4) against M rows of x, as tile_avx2. */
+static inline __attribute__((always_inline)) void tile_neon(const int fmt, const void *const wr[],
+                                                            const float *const sr[], const int R, int K, int G,
+                                                            const float *x, long ldx, const int M, float *res) {
+    float32x4_t acc[4][4][4];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++)
+            for (int j = 0; j < 4; j++) acc[r][m][j] = vdupq_n_f32(0.f);
+    const int nb = K / G;
+    const int bb = fmt_block_bytes(fmt, G);
+    for (int b = 0; b < nb; b++) {
+        const int k = b * G;
+        for (int r = 0; r < R; r++) __builtin_prefetch((const char *)wr[r] + (long)b * bb + PF_BYTES);
+        for (int r = 0; r < R; r++) {
+            float s;
+            if (G == 32) {
+                int8x16_t ql, qhv;
+                levels32_neon(fmt, wr[r], sr[r], b, &ql, &qhv, &s);
+                float32x4_t w0[4], w1[4];
+                cvt16_neon(ql, w0);
+                cvt16_neon(qhv, w1);
+                const float32x4_t sc = vdupq_n_f32(s);
+                for (int m = 0; m < M; m++) {
+                    const float *xp = x + m * ldx + k;
+                    for (int j = 0; j < 4; j++) {
+                        float32x4_t t = vmulq_f32(w0[j], vld1q_f32(xp + 4 * j));
+                        t = vfmaq_f32(t, w1[j], vld1q_f32(xp + 16 + 4 * j));
+                        acc[r][m][j] = vfmaq_f32(acc[r][m][j], t, sc);
+                    }
+                }
+            } else {
+                float32x4_t w0[4];
+                cvt16_neon(levels16_neon(fmt, wr[r], sr[r], b, &s), w0);
+                const float32x4_t sc = vdupq_n_f32(s);
+                for (int j = 0; j < 4; j++) w0[j] = vmulq_f32(w0[j], sc);
+                for (int m = 0; m < M; m++) {
+                    const float *xp = x + m * ldx + k;
+                    for (int j = 0; j < 4; j++) acc[r][m][j] = vfmaq_f32(acc[r][m][j], w0[j], vld1q_f32(xp + 4 * j));
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) res[r * RS + m] = reduce16_neon(acc[r][m]);
+}
+#else
 /* Portable C: the same per-lane operations (fmaf is a fused multiply-add, as the SIMD paths use) and
- * the same reduction, one weight row at a time (each block loaded once for all M <= MCHUNK rows of x).
- * The reference the SIMD paths are tested against. */
+ * the same reduction, one weight row at a time (each block unpacked once for all M <= MCHUNK rows of
+ * x). The reference the SIMD paths are tested against. */
 static inline __attribute__((always_inline)) void tile_portable(const int fmt, const void *w, const float *s,
                                                                 int K, int G, const float *x, long ldx, int M,
                                                                 float *res) {
-    if (fmt == FMT_Q4_0) G = 32;
     const int nb = K / G;
     float acc[MCHUNK][16] = {{0}};
     for (int b = 0; b < nb; b++) {
         const int k = b * G;
-        int8_t buf[32];
+        int8_t q[32];
         float sc;
-        const int8_t *q = load_block_portable(fmt, w, s, b, G, buf, &sc);
+        levels_scalar(fmt, w, s, b, G, q, &sc);
         for (int m = 0; m < M; m++) {
             const float *xm = x + m * ldx;
             for (int u = 0; u < 16; u++) {
@@ -393,18 +665,23 @@ static inline __attribute__((always_inline)) void tile_portable(const int fmt, c
 static inline __attribute__((always_inline)) void tile_dispatch(const int fmt, const void *const wr[NR],
                                                                 const float *const sr[NR], int K, int G,
                                                                 const float *x, long ldx, int M, float *res) {
-#if defined(GS_AVX2)
+#if defined(GS_AVX2) || defined(GS_NEON)
+#ifdef GS_AVX2
+#define TILE tile_avx2
+#else
+#define TILE tile_neon
+#endif
     switch (M) { /* M <= MCHUNK = 4; R * M <= 4 keeps the accumulators in registers */
-        case 1: tile_avx2(fmt, wr, sr, 4, K, G, x, ldx, 1, res); break;
+        case 1: TILE(fmt, wr, sr, 4, K, G, x, ldx, 1, res); break;
         case 2:
-            tile_avx2(fmt, wr, sr, 2, K, G, x, ldx, 2, res);
-            tile_avx2(fmt, wr + 2, sr + 2, 2, K, G, x, ldx, 2, res + 2 * RS);
+            TILE(fmt, wr, sr, 2, K, G, x, ldx, 2, res);
+            TILE(fmt, wr + 2, sr + 2, 2, K, G, x, ldx, 2, res + 2 * RS);
             break;
         case 3:
-            for (int r = 0; r < NR; r++) tile_avx2(fmt, wr + r, sr + r, 1, K, G, x, ldx, 3, res + r * RS);
+            for (int r = 0; r < NR; r++) TILE(fmt, wr + r, sr + r, 1, K, G, x, ldx, 3, res + r * RS);
             break;
         default:
-            for (int r = 0; r < NR; r++) tile_avx2(fmt, wr + r, sr + r, 1, K, G, x, ldx, 4, res + r * RS);
+            for (int r = 0; r < NR; r++) TILE(fmt, wr + r, sr + r, 1, K, G, x, ldx, 4, res + r * RS);
             break;
     }
     return;
@@ -435,16 +712,24 @@ static inline __attribute__((always_inline)) void tile_dispatch(const int fmt, c
 #endif
 }
 
-/* Output rows of scheduling unit t (NTILE rows) for every row of x: the body of the parallel loop of
- * gs_qmatmul and gs_qmatmul_q4_0, with fmt a compile-time constant at both. w: the weight rows (format
- * fmt), s/o: int8 scales and offsets (NULL for Q4_0; o NULL when absent). */
-static inline __attribute__((always_inline)) void qmatmul_tile(const int fmt, const void *w, const float *s,
-                                                               const float *o, int N, int K, int G,
+/* One weight matrix of a product: rows in format fmt (s, o: FMT_I8's scales and offsets, else NULL),
+ * N rows, written to columns col .. col + N - 1 of y. */
+typedef struct {
+    int fmt, N, G, col;
+    const void *w;
+    const float *s, *o;
+} gs_segment;
+
+/* Output rows of scheduling unit t (NTILE rows) of segment sg for every row of x; fmt is a
+ * compile-time constant at each call (the switch in run_tile). xsum: sums of x over the segment's
+ * G-value blocks (only read when it has offsets). y has ldy columns. */
+static inline __attribute__((always_inline)) void qmatmul_tile(const int fmt, const gs_segment *sg, int K,
                                                                const float *x, const float *xsum, int M,
-                                                               float *y, int t) {
-    const int nb = K / G;
+                                                               float *y, long ldy, int t) {
+    const int G = fmt_group(fmt, sg->G), nb = K / G, N = sg->N;
     const long stride = row_bytes(fmt, K);
     const int n0 = t * NTILE, n1 = n0 + NTILE < N ? n0 + NTILE : N;
+    const int offs = fmt_has_offsets(fmt, sg->o);
     for (int m0 = 0; m0 < M; m0 += MCHUNK) {
         const int mm = M - m0 < MCHUNK ? M - m0 : MCHUNK;
         for (int n = n0; n < n1; n += NR) {
@@ -452,17 +737,57 @@ static inline __attribute__((always_inline)) void qmatmul_tile(const int fmt, co
             const float *sr[NR];
             for (int r = 0; r < NR; r++) { /* rows past the end repeat the last row */
                 const long row = n + r < N ? n + r : N - 1;
-                wr[r] = (const char *)w + row * stride;
-                sr[r] = s ? s + row * nb : NULL;
+                wr[r] = (const char *)sg->w + row * stride;
+                sr[r] = sg->s ? sg->s + row * nb : NULL;
             }
             float res[NR * RS], off[RS];
             tile_dispatch(fmt, wr, sr, K, G, x + (long)m0 * K, K, mm, res);
             for (int r = 0; r < NR && n + r < n1; r++) {
-                if (o) offsets_term(o + (long)(n + r) * nb, nb, xsum + (long)m0 * nb, mm, off);
+                if (offs)
+                    offsets_term(fmt, wr[r], sg->o ? sg->o + (long)(n + r) * nb : NULL, nb, xsum + (long)m0 * nb, mm,
+                                 off);
                 for (int m = 0; m < mm; m++)
-                    y[(long)(m0 + m) * N + n + r] = res[r * RS + m] + (o ? off[m] : 0.f);
+                    y[(long)(m0 + m) * ldy + sg->col + n + r] = res[r * RS + m] + (offs ? off[m] : 0.f);
             }
         }
+    }
+}
+
+static void run_tile(const gs_segment *sg, int K, const float *x, const float *xsum, int M, float *y, long ldy,
+                     int t) {
+    switch (sg->fmt) {
+        case FMT_Q4_0: qmatmul_tile(FMT_Q4_0, sg, K, x, xsum, M, y, ldy, t); break;
+        case FMT_Q8_0: qmatmul_tile(FMT_Q8_0, sg, K, x, xsum, M, y, ldy, t); break;
+        case FMT_Q5_0: qmatmul_tile(FMT_Q5_0, sg, K, x, xsum, M, y, ldy, t); break;
+        case FMT_Q4_K: qmatmul_tile(FMT_Q4_K, sg, K, x, xsum, M, y, ldy, t); break;
+        case FMT_Q6_K: qmatmul_tile(FMT_Q6_K, sg, K, x, xsum, M, y, ldy, t); break;
+        default: qmatmul_tile(FMT_I8, sg, K, x, xsum, M, y, ldy, t);
+    }
+}
+
+/* y [M, sum of N] fp32 = x [M, K] fp32 @ [W_0; W_1; ...]^T for nseg weight matrices of the same K in
+ * any formats (fmts, ws, and for FMT_I8 ss, os, Gs; NULL entries elsewhere), their outputs side by side
+ * in y; one parallel loop over the tiles of all of them. xsum [M, K/G]: gs_block_sums of x over the G
+ * of the segments with offsets (Q4_K: 32, or FMT_I8 with o; all the same G), else NULL. K: a multiple of each
+ * format's block (32; 256 for Q4_K, Q6_K). At most 8 segments. */
+void gs_qmatmul_multi(int nseg, const int *fmts, const void *const *ws, const float *const *ss,
+                      const float *const *os, const int *Gs, const int *Ns, int K, const float *x,
+                      const float *xsum, int M, float *y, int nthreads) {
+    gs_segment sg[8];
+    int first[9], col = 0;
+    first[0] = 0;
+    if (nseg > 8) nseg = 8;
+    for (int i = 0; i < nseg; i++) {
+        sg[i] = (gs_segment){fmts[i], Ns[i], Gs ? Gs[i] : 32, col, ws[i], ss ? ss[i] : NULL, os ? os[i] : NULL};
+        col += Ns[i];
+        first[i + 1] = first[i] + (Ns[i] + NTILE - 1) / NTILE;
+    }
+    const int ntiles = first[nseg];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int t = 0; t < ntiles; t++) {
+        int i = 0;
+        while (t >= first[i + 1]) i++;
+        run_tile(&sg[i], K, x, xsum, M, y, col, t - first[i]);
     }
 }
 
@@ -477,51 +802,60 @@ void gs_block_sums(const float *x, int M, int K, int G, float *xsum) {
         }
 }
 
-/* y [M, N] fp32 = x [M, K] fp32 @ W^T; see the header comment for W. o and xsum may be NULL. */
+/* y [M, N] fp32 = x [M, K] fp32 @ W^T for int8 weights (q, s, optional o; see the header). */
 void gs_qmatmul(const int8_t *q, const float *s, const float *o, int N, int K, int G,
                 const float *x, const float *xsum, int M, float *y, int nthreads) {
-    const int ntiles = (N + NTILE - 1) / NTILE;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int t = 0; t < ntiles; t++) qmatmul_tile(FMT_I8, q, s, o, N, K, G, x, xsum, M, y, t);
+    const int f = FMT_I8;
+    const void *w = q;
+    gs_qmatmul_multi(1, &f, &w, &s, &o, &G, &N, K, x, xsum, M, y, nthreads);
 }
 
-/* y [M, N] fp32 = x [M, K] fp32 @ W^T for W stored as Q4_0: blocks holds N rows of K/32 ggml
- * block_q4_0 (18 bytes each, as in the GGUF file); K a multiple of 32. Bit-identical to gs_qmatmul on
- * the same weights as int8 levels nibble - 8 with fp32 scales d and G = 32. */
-void gs_qmatmul_q4_0(const uint8_t *blocks, int N, int K, const float *x, int M, float *y, int nthreads) {
-    const int ntiles = (N + NTILE - 1) / NTILE;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int t = 0; t < ntiles; t++) qmatmul_tile(FMT_Q4_0, blocks, NULL, NULL, N, K, 32, x, NULL, M, y, t);
+/* y [M, N] fp32 = x [M, K] fp32 @ W^T for W stored in format fmt (not FMT_I8): blocks holds N rows of
+ * ggml blocks as in the GGUF file. xsum as for gs_qmatmul_multi (Q4_K needs it). */
+void gs_qmatmul_stored(int fmt, const uint8_t *blocks, int N, int K, const float *x, const float *xsum, int M,
+                       float *y, int nthreads) {
+    const void *w = blocks;
+    gs_qmatmul_multi(1, &fmt, &w, NULL, NULL, NULL, &N, K, x, xsum, M, y, nthreads);
 }
 
-/* out [N, K] fp32 = W, for large-M products that go through a dense matmul. */
-void gs_dequant(const int8_t *q, const float *s, const float *o, int N, int K, int G, float *out,
-                int nthreads) {
+/* Row n of W (format fmt; s, o, G for FMT_I8) as fp32: scale * (float)q + offset, the same values for
+ * every format holding the same weights. */
+static void dequant_row(int fmt, const void *w, const float *s, const float *o, int G, int K, long n, float *out) {
+    G = fmt_group(fmt, G);
     const int nb = K / G;
-#pragma omp parallel for schedule(dynamic, 64) num_threads(nthreads)
-    for (int n = 0; n < N; n++)
-        for (int b = 0; b < nb; b++) {
-            const float sc = s[(long)n * nb + b], of = o ? o[(long)n * nb + b] : 0.f;
-            for (int j = 0; j < G; j++) {
-                const long k = (long)n * K + b * G + j;
-                out[k] = sc * (float)q[k] + of;
-            }
-        }
+    const char *wr = (const char *)w + n * row_bytes(fmt, K);
+    const float *sr = s ? s + n * nb : NULL, *orow = o ? o + n * nb : NULL;
+    for (int b = 0; b < nb; b++) {
+        int8_t q[32];
+        float sc;
+        levels_scalar(fmt, wr, sr, b, G, q, &sc);
+        const float of = block_offset(fmt, wr, orow, b);
+        for (int j = 0; j < G; j++) out[b * G + j] = sc * (float)q[j] + of;
+    }
 }
 
-/* out [n1 - n0, K] fp32 = rows n0..n1-1 of a Q4_0 matrix (blocks: all its rows, as in the file), the
- * same values gs_dequant gives for the converted int8 form (d * (nibble - 8) + 0). */
-void gs_dequant_q4_0(const uint8_t *blocks, int n0, int n1, int K, float *out, int nthreads) {
-    const int nb = K / 32;
+/* out [n1 - n0, K] fp32 = rows n0..n1-1 of W (any format), for products with many rows. */
+void gs_dequant_rows(int fmt, const void *w, const float *s, const float *o, int G, int n0, int n1, int K,
+                     float *out, int nthreads) {
 #pragma omp parallel for schedule(dynamic, 64) num_threads(nthreads)
-    for (int n = n0; n < n1; n++)
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = blocks + ((long)n * nb + b) * Q4_0_BYTES;
-            const float sc = f16_to_f32(blk);
-            float *o = out + (long)(n - n0) * K + b * 32;
-            for (int j = 0; j < 16; j++) {
-                o[j] = sc * (float)((blk[2 + j] & 0x0F) - 8) + 0.f;
-                o[j + 16] = sc * (float)((blk[2 + j] >> 4) - 8) + 0.f;
-            }
-        }
+    for (int n = n0; n < n1; n++) dequant_row(fmt, w, s, o, G, K, n, out + (long)(n - n0) * K);
+}
+
+/* out [nids, K] fp32 = rows ids[0..nids-1] of W (an embedding lookup). */
+void gs_dequant_ids(int fmt, const void *w, const float *s, const float *o, int G, const int64_t *ids, int nids,
+                    int K, float *out) {
+    for (int i = 0; i < nids; i++) dequant_row(fmt, w, s, o, G, K, ids[i], out + (long)i * K);
+}
+
+/* Compatibility entry points (int8 form, Q4_0). */
+void gs_dequant(const int8_t *q, const float *s, const float *o, int N, int K, int G, float *out, int nthreads) {
+    gs_dequant_rows(FMT_I8, q, s, o, G, 0, N, K, out, nthreads);
+}
+
+void gs_qmatmul_q4_0(const uint8_t *blocks, int N, int K, const float *x, int M, float *y, int nthreads) {
+    gs_qmatmul_stored(FMT_Q4_0, blocks, N, K, x, NULL, M, y, nthreads);
+}
+
+void gs_dequant_q4_0(const uint8_t *blocks, int n0, int n1, int K, float *out, int nthreads) {
+    gs_dequant_rows(FMT_Q4_0, blocks, NULL, NULL, 32, n0, n1, K, out, nthreads);
 }

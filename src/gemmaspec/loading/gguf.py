@@ -22,22 +22,12 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from ..errors import ModelFileError
+from ..kernels import STORED_TYPES, QuantizedWeight, StoredWeight
+from ..kernels.ggml_blocks import DENSE, SUPPORTED_QUANT, to_int8_blocks
 from ..models.registry import Architecture, by_name
 from ..tokenizer import GemmaTokenizer
 from .gguf_header import GGUF_MAGIC, GGUFHeader, TensorInfo, read_header
 from .gguf_header import _check_file as check_file
-
-try:
-    from ..kernels import STORED_TYPES, QuantizedWeight, StoredWeight
-    from ..kernels.ggml_blocks import DENSE, SUPPORTED_QUANT, to_int8_blocks
-except ImportError:  # until the stored-block kernels land: only Q4_0 is kept as stored
-    from ..kernels import Q4_0Weight, QuantizedWeight
-    from .ggml_blocks import DENSE, SUPPORTED_QUANT, to_int8_blocks
-
-    STORED_TYPES = ("Q4_0",)
-
-    def StoredWeight(raw, qtype, k):  # noqa: N802
-        return Q4_0Weight(raw, k)
 
 SUPPORTED_TYPES = tuple(t.name for t in DENSE + SUPPORTED_QUANT)
 __all__ = ["GGUF_MAGIC", "GGUFMeta", "LoadedModel", "check_file", "load_gguf", "open_reader", "read_config",

@@ -18,25 +18,21 @@ import torch
 import torch.nn.functional as F
 
 from .config import Gemma3Config
-from ..kernels import SMALL_M, BlockWeight, Q4_0Weight, QuantizedWeight
+from ..kernels import SMALL_M, BlockWeight, StackedWeight
 from ..kv_cache import KVCache
 from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin
 
 
 def _fuse(parts):
-    """Stack compatible quantized weights along N so one kernel call computes them all (all int8
-    blocks of one group and offset kind, or all Q4_0 with the same K); None when they do not fit."""
-    if all(isinstance(p, Q4_0Weight) for p in parts):
-        if any(p.k != parts[0].k or p.raw.device != parts[0].raw.device for p in parts):
-            return None
-        return Q4_0Weight.cat(parts)
-    if not all(isinstance(p, QuantizedWeight) for p in parts):
+    """The weights ``parts`` (same K) side by side along N, so one kernel call computes them all
+    (:class:`~gemmaspec.kernels.StackedWeight`: no copy, each keeps its format); None when they are not
+    all block-quantized on one device."""
+    if not all(isinstance(p, BlockWeight) for p in parts):
         return None
-    g, has_off = parts[0].group, parts[0].offset is not None
-    if any(p.group != g or (p.offset is not None) != has_off or p.q.device != parts[0].q.device for p in parts):
+    try:
+        return StackedWeight(parts)
+    except ValueError:
         return None
-    off = torch.cat([p.offset for p in parts]) if has_off else None
-    return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), off, g)
 
 
 _HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")

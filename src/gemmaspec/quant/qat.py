@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import Q4_0Weight, QuantizedWeight
+from ..kernels import QuantizedWeight, StoredWeight
 
 
 def on_4bit_grid_fraction(w, max_blocks: int = 512) -> float:
-    """Fraction of sampled 32-value blocks of ``w`` (float [N, K], QuantizedWeight or Q4_0Weight) with at most
+    """Fraction of sampled 32-value blocks of ``w`` (float [N, K], QuantizedWeight or StoredWeight) with at most
     16 distinct values. Blocks run along K (the input dimension)."""
-    if isinstance(w, Q4_0Weight):
-        return 1.0  # 4-bit levels as stored
+    if isinstance(w, StoredWeight):
+        if w.qtype == "Q4_0":
+            return 1.0  # 4-bit levels as stored
+        w = w.to_int8()
     if isinstance(w, QuantizedWeight):
         if w.group == 32 and w.offset is None and int(w.q.max()) <= 7 and int(w.q.min()) >= -8:
             return 1.0  # stored as 4-bit levels already
