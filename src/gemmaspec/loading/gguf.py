@@ -28,6 +28,7 @@ from ..models.registry import Architecture, by_name
 from ..tokenizer import GemmaTokenizer
 from .gguf_header import GGUF_MAGIC, GGUFHeader, TensorInfo, read_header
 from .gguf_header import _check_file as check_file
+from .tokenizer_cache import gguf_tokenizer
 
 SUPPORTED_TYPES = tuple(t.name for t in DENSE + SUPPORTED_QUANT)
 __all__ = ["GGUF_MAGIC", "GGUFMeta", "LoadedModel", "check_file", "load_gguf", "open_reader", "read_config",
@@ -204,8 +205,6 @@ def load_gguf(path: str | os.PathLike, use_cache: bool = True) -> LoadedModel:
             tensor type, missing tensors or metadata.
         UnsupportedArchitectureError: not a supported architecture.
     """
-    from .tokenizer_cache import gguf_tokenizer
-
     path = Path(path)
     header = open_reader(path)
     arch, config = read_config(path, header)

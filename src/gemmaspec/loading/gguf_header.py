@@ -295,11 +295,11 @@ class GGUFHeader:
             try:
                 qtype = GGMLQuantizationType(raw_type)
             except ValueError:
-                from .gguf import SUPPORTED_TYPES
+                from ..kernels.ggml_blocks import DENSE, SUPPORTED_QUANT
 
                 raise ModelFileError(f"{self.path} holds a tensor of an unknown type ({raw_type} is not a valid "
                                      f"GGMLQuantizationType; tensor {name}); supported types: "
-                                     f"{', '.join(SUPPORTED_TYPES)}") from None
+                                     f"{', '.join(t.name for t in DENSE + SUPPORTED_QUANT)}") from None
             if offset % self.alignment:
                 raise ValueError(f"tensor {name} data offset {offset} is not a multiple of the alignment "
                                  f"{self.alignment}")
