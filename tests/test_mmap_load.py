@@ -219,6 +219,15 @@ def test_a_damaged_entry_is_rebuilt(tmp_path, home, capfd):
     assert load_gguf(path).tokenizer.encode("abc def") == want
 
 
+def test_an_unusable_cache_home_still_loads(tmp_path, monkeypatch, capfd):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("GEMMASPEC_HOME", str(blocker / "home"))  # cannot be created
+    loaded = load_gguf(_tiny_gguf(tmp_path / "tiny.gguf"))
+    assert loaded.tokenizer.encode("abc", add_bos=False)
+    assert "no tokenizer cache" in capfd.readouterr().err
+
+
 def test_without_cache_and_for_an_assistant_nothing_is_written(tmp_path, home):
     from test_gemma4_gguf import _SmallBPE, _with_tokenizer
     from tiny_gemma4 import tiny_assistant

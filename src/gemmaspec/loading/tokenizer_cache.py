@@ -94,7 +94,12 @@ def gguf_tokenizer(header: GGUFHeader, use_cache: bool = True) -> GemmaTokenizer
     """
     if "tokenizer.ggml.tokens" not in header.fields:
         raise ModelFileError(f"{header.path}: the file has no tokenizer (tokenizer.ggml.tokens); it cannot generate text")
-    entry = tokenizer_dir(header) if use_cache else None
+    entry = None
+    if use_cache:
+        try:
+            entry = tokenizer_dir(header)
+        except OSError as exc:  # the cache directory cannot be created
+            print(f"gemmaspec: no tokenizer cache ({exc}); building the tokenizer (a few seconds)", file=sys.stderr)
     if entry is not None:
         tok = _load(entry, header)
         if tok is not None:
