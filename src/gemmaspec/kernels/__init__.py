@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..paths import cache_home
+from .base import BlockWeight
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +173,10 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-class BlockWeight:
-    """What every block-quantized weight matrix W [N, K] offers (:class:`QuantizedWeight`,
-    :class:`Q4_0Weight`): ``shape``, ``nbytes`` (memory held), ``dequantize()`` (float32 [N, K]),
-    ``rows(ids)`` (embedding lookup, float32 [*ids.shape, K]), ``to(device)`` and ``w(x)`` = x @ W.T.
-    Test ``isinstance(w, BlockWeight)`` to tell a quantized weight from a dense tensor.
+class CPUBlockWeight(BlockWeight):
+    """The CPU formats' shared product logic (:class:`QuantizedWeight`, :class:`Q4_0Weight`; the
+    interface, :class:`~gemmaspec.kernels.base.BlockWeight`, lives in ``base.py`` so that the device
+    layout in ``cuda.py`` builds on it without an import cycle).
 
     A subclass gives ``_small(lib, x2, y)`` (the C kernel's product for at most ``SMALL_M`` rows) and
     ``_dequant_rows(lib, n0, n1, out)`` (rows n0..n1-1 of W into float32 ``out``); the product
@@ -218,7 +218,7 @@ class BlockWeight:
         return y
 
 
-class QuantizedWeight(BlockWeight):
+class QuantizedWeight(CPUBlockWeight):
     """A weight matrix W [N, K] stored as int8 blocks (see the module docstring).
 
     Args:
@@ -280,8 +280,11 @@ class QuantizedWeight(BlockWeight):
             w = w + self.offset[ids].view(-1, k // g, 1)
         return w.view(*ids.shape, k)
 
-    def to(self, device: torch.device | str) -> "QuantizedWeight":
+    def to(self, device: torch.device | str) -> BlockWeight:
+        """On the CPU: a QuantizedWeight there; elsewhere the device layout (:func:`device_weight`)."""
         d = torch.device(device)
+        if d.type != "cpu":
+            return device_weight(self, d)
         off = None if self.offset is None else self.offset.to(d)
         return QuantizedWeight(self.q.to(d), self.scale.to(d), off, self.group)
 
@@ -298,7 +301,7 @@ class QuantizedWeight(BlockWeight):
 Q4_0_BLOCK = 18  # bytes of a ggml block_q4_0: fp16 d, then 16 bytes holding 32 4-bit values
 
 
-class Q4_0Weight(BlockWeight):
+class Q4_0Weight(CPUBlockWeight):
     """A weight matrix W [N, K] kept as the GGUF's Q4_0 blocks (0.5625 bytes per weight, half the
     int8 form): per 32 values along K, 18 bytes = fp16 ``d`` + 16 bytes whose low nibbles are values
     0-15 and high nibbles values 16-31; ``W = d * (nibble - 8)``.
@@ -365,12 +368,11 @@ class Q4_0Weight(BlockWeight):
         return w.view(*ids.shape, self.k)
 
     def to(self, device: torch.device | str) -> BlockWeight:
-        """On the CPU: a Q4_0Weight there; elsewhere (no Q4_0 kernel) the :class:`QuantizedWeight`
-        form on ``device``."""
+        """On the CPU: a Q4_0Weight there; elsewhere the device layout (:func:`device_weight`)."""
         d = torch.device(device)
         if d.type == "cpu":
             return Q4_0Weight(self.raw.to(d), self.k)
-        return self.to_int8().to(d)
+        return device_weight(self, d)
 
     @staticmethod
     def cat(parts: list["Q4_0Weight"]) -> "Q4_0Weight":
@@ -383,3 +385,14 @@ class Q4_0Weight(BlockWeight):
     def _small(self, lib, x2: torch.Tensor, y: torch.Tensor) -> None:
         n, k = self.shape
         lib.gs_qmatmul_q4_0(_ptr(self.raw), n, k, _ptr(x2), x2.shape[0], _ptr(y), torch.get_num_threads())
+
+
+# --- device hook (kernels/cuda.py) ------------------------------------------------------------------
+def device_weight(w: BlockWeight, device) -> BlockWeight:
+    """``w`` on a non-CPU ``device``, still block-quantized: the layout of :mod:`gemmaspec.kernels.cuda`
+    (:class:`~gemmaspec.kernels.cuda.DeviceQuantWeight`, about the stored size; products by its Triton
+    kernel or exact tiles), never a float32 matrix. Every ``BlockWeight.to(device)`` calls this for a
+    device that is not the CPU."""
+    from .cuda import to_device
+
+    return to_device(w, device)
