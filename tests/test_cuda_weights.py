@@ -222,6 +222,34 @@ def test_kernel_int8_form_with_offsets():
     _within_bound(kernel_matmul(w, x), x, _reference(raw, T.Q5_K, 40, k))
 
 
+@pytest.mark.parametrize("variant", ["Q6_K rows 1", "Q4_K rows 16", "int8 fp32 scales rows 4"])
+def test_kernel_compiles_for_cuda(variant):
+    """The kernel compiles to a cubin for sm_75 (Turing, the small GPUs' generation) with Triton's own
+    ptxas, no GPU needed: catches what the interpreter lets through (types, layouts, constexprs)."""
+    triton = pytest.importorskip("triton", reason="Triton not installed (it comes with PyTorch's CUDA builds)")
+    if INTERPRET:
+        pytest.skip("the kernel is built for the interpreter in this process")
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kern = cuda.triton_kernel()
+    params = list(inspect.signature(kern.fn).parameters)
+    name, rows = variant.split()[0], int(variant.split()[-1])
+    fmt = cuda.FORMATS.get(name, cuda._Format(32, 0, 4, -128, 32, 32, False, True))
+    scale_t = "*fp32" if name == "int8" else "*fp16"
+    sig = {"x_ptr": "*fp32", "lo_ptr": "*u8", "hi_ptr": "*u8", "d_ptr": scale_t, "sc_ptr": "*i8", "dm_ptr": scale_t,
+           "m_ptr": "*i8", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "K_PER": "i32"}
+    bm, bn, bk = cuda._blocks(rows)
+    const = dict(BIAS=fmt.bias, HB=fmt.hb, G=fmt.group, S=fmt.superblock, HAS_SC=fmt.sub_scales, HAS_DM=fmt.offsets,
+                 HAS_M=fmt.offsets and name != "int8", BM=bm, BN=bn, BK=bk)
+    sig.update({c: "constexpr" for c in const})
+    src = ASTSource(fn=kern, signature=sig, constexprs={(params.index(c),): v for c, v in const.items()})
+    out = triton.compile(src, target=GPUTarget("cuda", 75, 32))
+    assert len(out.asm["cubin"]) > 1000 and ".target sm_75" in out.asm["ptx"]
+
+
 def test_kernel_in_triton_interpreter():
     """Without a GPU, the kernel tests above run in Triton's CPU interpreter (a fresh process: the
     interpreter is chosen when the kernel is built)."""
@@ -230,7 +258,7 @@ def test_kernel_in_triton_interpreter():
     pytest.importorskip("triton", reason="Triton not installed (it comes with PyTorch's CUDA builds)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-                          "-k", "(kernel or device_model) and not interpreter"], capture_output=True, text=True, env=env,
+                          "-k", "(kernel or device_model) and not interpreter and not compiles"], capture_output=True, text=True, env=env,
                          cwd=Path(__file__).parent.parent, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], res.stdout[-1000:]

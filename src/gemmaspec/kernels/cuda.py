@@ -479,14 +479,12 @@ def triton_kernel():
             ke = 2 * kb
             ue = byte & 15
             uo = byte >> 4
-            if HB > 0:
-                per: tl.constexpr = 8 // HB
-                hmask: tl.constexpr = (1 << HB) - 1
+            if HB > 0:  # 8 // HB values per byte of hi; value k's bits at byte k * HB // 8
                 hrow = rn64[:, None] * (K * HB // 8)
-                he = tl.load(hi_ptr + hrow + (ke // per)[None, :], mask=wmask, other=0).to(tl.int32)
-                ho = tl.load(hi_ptr + hrow + ((ke + 1) // per)[None, :], mask=wmask, other=0).to(tl.int32)
-                ue = ue | (((he >> ((ke % per) * HB)[None, :]) & hmask) << 4)
-                uo = uo | (((ho >> (((ke + 1) % per) * HB)[None, :]) & hmask) << 4)
+                he = tl.load(hi_ptr + hrow + (ke * HB // 8)[None, :], mask=wmask, other=0).to(tl.int32)
+                ho = tl.load(hi_ptr + hrow + ((ke + 1) * HB // 8)[None, :], mask=wmask, other=0).to(tl.int32)
+                ue = ue | (((he >> ((ke * HB) % 8)[None, :]) & ((1 << HB) - 1)) << 4)
+                uo = uo | (((ho >> (((ke + 1) * HB) % 8)[None, :]) & ((1 << HB) - 1)) << 4)
             s_idx = rn64[:, None] * n_sup + (ke // S)[None, :]
             g_idx = rn64[:, None] * n_grp + (ke // G)[None, :]
             scale = tl.load(d_ptr + s_idx, mask=wmask, other=0).to(tl.float32)
