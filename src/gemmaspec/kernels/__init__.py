@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..paths import cache_home
+from .base import BlockWeight
 
 log = logging.getLogger(__name__)
 
@@ -187,12 +188,10 @@ _FMT = {"Q4_0": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
 _HAS_OFFSETS = ("Q4_K",)
 
 
-class BlockWeight:
-    """What every block-quantized weight matrix W [N, K] offers (:class:`QuantizedWeight`,
-    :class:`StoredWeight`, :class:`StackedWeight`): ``shape``, ``nbytes`` (memory held),
-    ``dequantize()`` (float32 [N, K]), ``rows(ids)`` (embedding lookup, float32 [*ids.shape, K]),
-    ``to(device)`` and ``w(x)`` = x @ W.T. Test ``isinstance(w, BlockWeight)`` to tell a quantized
-    weight from a dense tensor.
+class CPUBlockWeight(BlockWeight):
+    """The CPU formats' shared product logic (:class:`QuantizedWeight`, :class:`StoredWeight`,
+    :class:`StackedWeight`; the interface, :class:`~gemmaspec.kernels.base.BlockWeight`, lives in
+    ``base.py`` so that the device layout in ``cuda.py`` builds on it without an import cycle).
 
     A subclass describes its memory as kernel segments (``_segments()``: the format number, weight
     bytes, int8 scales/offsets and group, rows) and gives ``_fallback()`` (the same weights in a form
@@ -302,7 +301,7 @@ class BlockWeight:
         return out.view(*ids.shape, k)
 
 
-class QuantizedWeight(BlockWeight):
+class QuantizedWeight(CPUBlockWeight):
     """A weight matrix W [N, K] stored as int8 blocks (see the module docstring).
 
     Args:
@@ -360,13 +359,16 @@ class QuantizedWeight(BlockWeight):
         w = w + (self.offset[ids].view(-1, k // g, 1) if self.offset is not None else 0.0)
         return w.view(*ids.shape, k)
 
-    def to(self, device: torch.device | str) -> "QuantizedWeight":
+    def to(self, device: torch.device | str) -> BlockWeight:
+        """On the CPU: a QuantizedWeight there; elsewhere the device layout (:func:`device_weight`)."""
         d = torch.device(device)
+        if d.type != "cpu":
+            return device_weight(self, d)
         off = None if self.offset is None else self.offset.to(d)
         return QuantizedWeight(self.q.to(d), self.scale.to(d), off, self.group)
 
 
-class StoredWeight(BlockWeight):
+class StoredWeight(CPUBlockWeight):
     """A weight matrix W [N, K] kept as the GGUF's blocks, byte for byte (no conversion, no copy: ``raw``
     may view a memory-mapped file). Types: :data:`STORED_TYPES` — Q4_0 (0.5625 bytes per weight),
     Q8_0 (1.0625), Q5_0 (0.6875), Q4_K (0.5625), Q6_K (0.8203), against 1.125 for the int8 form.
@@ -429,15 +431,15 @@ class StoredWeight(BlockWeight):
         return QuantizedWeight(*self.levels())
 
     def to(self, device: torch.device | str) -> BlockWeight:
-        """On the CPU: a StoredWeight there; elsewhere (no stored-block kernel yet) the
-        :class:`QuantizedWeight` form on ``device``."""
+        """On the CPU: a StoredWeight there; elsewhere the device layout (:func:`device_weight`), still
+        block-quantized."""
         d = torch.device(device)
         if d.type == "cpu":
             return StoredWeight(self.raw.to(d), self.qtype, self.k)
-        return self.to_int8().to(d)
+        return device_weight(self, d)
 
 
-class StackedWeight(BlockWeight):
+class StackedWeight(CPUBlockWeight):
     """Weight matrices of the same K side by side along N ([W_0; W_1; ...], e.g. q, k and v), multiplied
     in one kernel call (one parallel loop over the tiles of all of them) without copying them into one
     tensor, so each keeps its own format (a Q5_0 q with a Q8_0 v) and mapped weights stay mapped.
@@ -483,10 +485,54 @@ class StackedWeight(BlockWeight):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.dequantize()[ids]
 
-    def to(self, device: torch.device | str) -> "StackedWeight":
-        return StackedWeight([p.to(device) for p in self.parts])
+    def to(self, device: torch.device | str) -> BlockWeight:
+        """On the CPU: a StackedWeight there; elsewhere the parts' device layouts joined
+        (``DeviceQuantWeight.cat``)."""
+        d = torch.device(device)
+        if d.type == "cpu":
+            return StackedWeight([p.to(d) for p in self.parts])
+        from .cuda import DeviceQuantWeight
+
+        parts = [device_weight(p, d) for p in self.parts]
+        joined = DeviceQuantWeight.cat(parts)
+        return joined if joined is not None else _DeviceParts(parts)
+
+
+class _DeviceParts(BlockWeight):
+    """Device weights that cannot be joined into one layout, multiplied one after another and their
+    outputs put side by side (what :class:`StackedWeight` becomes off the CPU in that case)."""
+
+    def __init__(self, parts: list[BlockWeight]):
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dequantize()[ids]
+
+    def to(self, device) -> BlockWeight:
+        return _DeviceParts([p.to(device) for p in self.parts])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 def Q4_0Weight(raw: torch.Tensor, k: int) -> StoredWeight:
     """A Q4_0 :class:`StoredWeight` (raw uint8 [N, K / 32 * 18])."""
     return StoredWeight(raw, "Q4_0", k)
+
+
+def device_weight(w: BlockWeight, device) -> BlockWeight:
+    """``w`` on a non-CPU ``device``, still block-quantized: the layout of :mod:`gemmaspec.kernels.cuda`
+    (:class:`~gemmaspec.kernels.cuda.DeviceQuantWeight`, about the stored size; products by its Triton
+    kernel or exact tiles), never a float32 matrix. Every ``BlockWeight.to(device)`` calls this for a
+    device that is not the CPU."""
+    from .cuda import to_device
+
+    return to_device(w, device)

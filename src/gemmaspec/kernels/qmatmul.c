@@ -170,6 +170,34 @@ static inline float stored_scale(const int fmt, const uint8_t *w, int b) {
     }
 }
 
+/* Group-blocks per super-block (K-quants: 8 of 32 values for Q4_K, 16 of 16 for Q6_K; others 1). */
+static inline int fmt_per_super(const int fmt) { return fmt == FMT_Q4_K ? 8 : fmt == FMT_Q6_K ? 16 : 1; }
+
+/* for each group-block b < nb: super-block by super-block for the K-quants, with the group-blocks of
+ * one super-block unrolled, so that their positions inside it (b % per) are compile-time constants
+ * (immediate shifts and offsets). The order of b is unchanged. */
+#define FOR_BLOCKS(fmt, nb, b)                                          \
+    for (int sb_ = 0; sb_ < (nb) / fmt_per_super(fmt); sb_++)           \
+        _Pragma("GCC unroll 16") for (int j_ = 0, b = sb_ * fmt_per_super(fmt); j_ < fmt_per_super(fmt); j_++, b++)
+
+/* The scales of every group-block of super-block sb of one row (K-quants), computed once per
+ * super-block by the SIMD paths: ks[j] = stored_scale(fmt, w, sb * per + j), the same expression. */
+static inline void super_scales(const int fmt, const uint8_t *w, int sb, float ks[16]) {
+    if (fmt == FMT_Q4_K) {
+        const uint8_t *blk = w + (long)sb * Q4_K_BYTES;
+        const float d = f16_to_f32(blk);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            q4_k_scale_min(blk + 4, j, &sc, &m);
+            ks[j] = d * (float)sc;
+        }
+    } else if (fmt == FMT_Q6_K) {
+        const uint8_t *blk = w + (long)sb * Q6_K_BYTES;
+        const float d = f16_to_f32(blk + 208);
+        for (int j = 0; j < 16; j++) ks[j] = d * (float)(int8_t)blk[192 + j];
+    }
+}
+
 /* Offset of group-block b: FMT_I8 from o (0 when absent), Q4_K -(dmin * m_j), others 0. */
 static inline float block_offset(const int fmt, const void *w, const float *o, int b) {
     if (fmt == FMT_Q4_K) {
@@ -280,7 +308,7 @@ static inline __m128i nibbles(__m128i v, int shift) {
 /* Group-block b (G = 32 formats) of one row as int8 levels: values 0..15 in *lo, 16..31 in *hi; its
  * scale in *sc. The same levels and scale as levels_scalar. */
 static inline __attribute__((always_inline)) void levels32(const int fmt, const void *wv, const float *s, int b,
-                                                           __m128i *lo, __m128i *hi, float *sc) {
+                                                           __m128i *lo, __m128i *hi, float *sc, const float *ks) {
     const uint8_t *w = (const uint8_t *)wv;
     switch (fmt) {
         case FMT_Q4_0: {
@@ -303,8 +331,15 @@ static inline __attribute__((always_inline)) void levels32(const int fmt, const 
             uint32_t qh;
             memcpy(&qh, blk + 2, 4); /* little-endian, as x86 reads it */
             const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 6)), sixteen = _mm_set1_epi8(16);
+#if defined(GS_AVX512) && defined(__AVX512BW__) && defined(__AVX512VL__)
+            /* nibble - 16, plus 16 where the fifth bit is set: one masked add per 16 values */
+            const __m128i l = _mm_sub_epi8(nibbles(v, 0), sixteen), h = _mm_sub_epi8(nibbles(v, 4), sixteen);
+            *lo = _mm_mask_add_epi8(l, (__mmask16)(qh & 0xFFFF), l, sixteen);
+            *hi = _mm_mask_add_epi8(h, (__mmask16)(qh >> 16), h, sixteen);
+#else
             *lo = _mm_sub_epi8(_mm_or_si128(nibbles(v, 0), bits_to_0x10(qh & 0xFFFF)), sixteen);
             *hi = _mm_sub_epi8(_mm_or_si128(nibbles(v, 4), bits_to_0x10(qh >> 16)), sixteen);
+#endif
             *sc = f16_to_f32(blk);
             return;
         }
@@ -313,7 +348,7 @@ static inline __attribute__((always_inline)) void levels32(const int fmt, const 
             const int shift = 4 * (b & 1);
             *lo = nibbles(_mm_loadu_si128((const __m128i *)qs), shift);
             *hi = nibbles(_mm_loadu_si128((const __m128i *)(qs + 16)), shift);
-            *sc = stored_scale(FMT_Q4_K, w, b);
+            *sc = ks[b & 7];
             return;
         }
         default: { /* FMT_I8, G = 32 */
@@ -327,14 +362,14 @@ static inline __attribute__((always_inline)) void levels32(const int fmt, const 
 
 /* Group-block b (G = 16 formats: FMT_I8 with G = 16, Q6_K) of one row as 16 int8 levels and scale. */
 static inline __attribute__((always_inline)) __m128i levels16(const int fmt, const void *wv, const float *s, int b,
-                                                              float *sc) {
+                                                              float *sc, const float *ks) {
     if (fmt == FMT_Q6_K) {
         const uint8_t *blk = (const uint8_t *)wv + (long)(b >> 4) * Q6_K_BYTES;
         const int s16 = b & 15, h = s16 >> 3, i = (s16 & 7) >> 1, l0 = (s16 & 1) * 16;
         const __m128i ql = _mm_loadu_si128((const __m128i *)(blk + h * 64 + (i & 1) * 32 + l0));
         const __m128i qh = _mm_loadu_si128((const __m128i *)(blk + 128 + h * 32 + l0));
         const __m128i hi2 = _mm_and_si128(_mm_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), _mm_set1_epi8(3));
-        *sc = stored_scale(FMT_Q6_K, (const uint8_t *)wv, b);
+        *sc = ks[b & 15];
         return _mm_sub_epi8(_mm_or_si128(nibbles(ql, 4 * (i >> 1)), _mm_slli_epi16(hi2, 4)), _mm_set1_epi8(32));
     }
     *sc = s[b];
@@ -356,13 +391,16 @@ static inline __attribute__((always_inline)) void tile_dot(const int fmt, const 
                                                            const float *const sr[NR], int K, int G, const float *x,
                                                            long ldx, const int M, float *res) {
     __m512 acc[NR][MB];
+    float ks[NR][16];
     for (int r = 0; r < NR; r++)
         for (int m = 0; m < MB; m++) acc[r][m] = _mm512_setzero_ps();
     const int nb = K / G;
     if (G == 32) {
-        for (int b = 0; b < nb; b++) {
+        FOR_BLOCKS(fmt, nb, b) {
             const int k = b * 32;
             prefetch_rows(fmt, wr, sr, NR, b, 32);
+            if (fmt_per_super(fmt) > 1 && b % fmt_per_super(fmt) == 0)
+                for (int r = 0; r < NR; r++) super_scales(fmt, (const uint8_t *)wr[r], b / fmt_per_super(fmt), ks[r]);
             __m512 x0[MB], x1[MB];
             for (int m = 0; m < M; m++) {
                 x0[m] = _mm512_loadu_ps(x + m * ldx + k);
@@ -371,7 +409,7 @@ static inline __attribute__((always_inline)) void tile_dot(const int fmt, const 
             for (int r = 0; r < NR; r++) {
                 __m128i lo, hi;
                 float s;
-                levels32(fmt, wr[r], sr[r], b, &lo, &hi, &s);
+                levels32(fmt, wr[r], sr[r], b, &lo, &hi, &s, ks[r]);
                 const __m512 w0 = cvt16(lo), w1 = cvt16(hi), sc = _mm512_set1_ps(s);
                 for (int m = 0; m < M; m++) {
                     __m512 t = _mm512_mul_ps(w0, x0[m]);
@@ -381,14 +419,16 @@ static inline __attribute__((always_inline)) void tile_dot(const int fmt, const 
             }
         }
     } else { /* G == 16 */
-        for (int b = 0; b < nb; b++) {
+        FOR_BLOCKS(fmt, nb, b) {
             const int k = b * 16;
             prefetch_rows(fmt, wr, sr, NR, b, 16);
+            if (fmt_per_super(fmt) > 1 && b % fmt_per_super(fmt) == 0)
+                for (int r = 0; r < NR; r++) super_scales(fmt, (const uint8_t *)wr[r], b / fmt_per_super(fmt), ks[r]);
             __m512 x0[MB];
             for (int m = 0; m < M; m++) x0[m] = _mm512_loadu_ps(x + m * ldx + k);
             for (int r = 0; r < NR; r++) {
                 float s;
-                const __m128i v = levels16(fmt, wr[r], sr[r], b, &s);
+                const __m128i v = levels16(fmt, wr[r], sr[r], b, &s, ks[r]);
                 const __m512 w = _mm512_mul_ps(cvt16(v), _mm512_set1_ps(s));
                 for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(w, x0[m], acc[r][m]);
             }
@@ -406,17 +446,20 @@ static inline __attribute__((always_inline)) void tile_dot_wide(const int fmt, c
                                                                 const float *x, long ldx, const int M,
                                                                 float *res /* [2][MW] */) {
     __m512 acc[2][MW];
+    float ks[2][16];
     for (int r = 0; r < 2; r++)
         for (int m = 0; m < MW; m++) acc[r][m] = _mm512_setzero_ps();
     const int nb = K / G;
     if (G == 32) {
-        for (int b = 0; b < nb; b++) {
+        FOR_BLOCKS(fmt, nb, b) {
             const int k = b * 32;
             prefetch_rows(fmt, wr, sr, 2, b, 32);
+            if (fmt_per_super(fmt) > 1 && b % fmt_per_super(fmt) == 0)
+                for (int r = 0; r < 2; r++) super_scales(fmt, (const uint8_t *)wr[r], b / fmt_per_super(fmt), ks[r]);
             for (int r = 0; r < 2; r++) {
                 __m128i lo, hi;
                 float s;
-                levels32(fmt, wr[r], sr[r], b, &lo, &hi, &s);
+                levels32(fmt, wr[r], sr[r], b, &lo, &hi, &s, ks[r]);
                 const __m512 w0 = cvt16(lo), w1 = cvt16(hi), sc = _mm512_set1_ps(s);
                 for (int m = 0; m < M; m++) {
                     __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(x + m * ldx + k));
@@ -426,12 +469,14 @@ static inline __attribute__((always_inline)) void tile_dot_wide(const int fmt, c
             }
         }
     } else {
-        for (int b = 0; b < nb; b++) {
+        FOR_BLOCKS(fmt, nb, b) {
             const int k = b * 16;
             prefetch_rows(fmt, wr, sr, 2, b, 16);
+            if (fmt_per_super(fmt) > 1 && b % fmt_per_super(fmt) == 0)
+                for (int r = 0; r < 2; r++) super_scales(fmt, (const uint8_t *)wr[r], b / fmt_per_super(fmt), ks[r]);
             for (int r = 0; r < 2; r++) {
                 float s;
-                const __m128i v = levels16(fmt, wr[r], sr[r], b, &s);
+                const __m128i v = levels16(fmt, wr[r], sr[r], b, &s, ks[r]);
                 const __m512 w = _mm512_mul_ps(cvt16(v), _mm512_set1_ps(s));
                 for (int m = 0; m < M; m++)
                     acc[r][m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * ldx + k), acc[r][m]);
@@ -452,17 +497,20 @@ static inline __attribute__((always_inline)) void tile_avx2(const int fmt, const
                                                             const float *const sr[], const int R, int K, int G,
                                                             const float *x, long ldx, const int M, float *res) {
     __m256 lo[4][4], hi[4][4];
+    float ks[4][16];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) lo[r][m] = hi[r][m] = _mm256_setzero_ps();
     const int nb = K / G;
     if (G == 32) {
-        for (int b = 0; b < nb; b++) {
+        FOR_BLOCKS(fmt, nb, b) {
             const int k = b * 32;
             prefetch_rows(fmt, wr, sr, R, b, 32);
+            if (fmt_per_super(fmt) > 1 && b % fmt_per_super(fmt) == 0)
+                for (int r = 0; r < R; r++) super_scales(fmt, (const uint8_t *)wr[r], b / fmt_per_super(fmt), ks[r]);
             for (int r = 0; r < R; r++) {
                 __m128i ql, qhi;
                 float s;
-                levels32(fmt, wr[r], sr[r], b, &ql, &qhi, &s);
+                levels32(fmt, wr[r], sr[r], b, &ql, &qhi, &s, ks[r]);
                 const __m256 w0 = cvt8(ql), w1 = cvt8(_mm_srli_si128(ql, 8));
                 const __m256 w2 = cvt8(qhi), w3 = cvt8(_mm_srli_si128(qhi, 8)), sc = _mm256_set1_ps(s);
                 for (int m = 0; m < M; m++) {
@@ -477,12 +525,14 @@ static inline __attribute__((always_inline)) void tile_avx2(const int fmt, const
             }
         }
     } else { /* G == 16 */
-        for (int b = 0; b < nb; b++) {
+        FOR_BLOCKS(fmt, nb, b) {
             const int k = b * 16;
             prefetch_rows(fmt, wr, sr, R, b, 16);
+            if (fmt_per_super(fmt) > 1 && b % fmt_per_super(fmt) == 0)
+                for (int r = 0; r < R; r++) super_scales(fmt, (const uint8_t *)wr[r], b / fmt_per_super(fmt), ks[r]);
             for (int r = 0; r < R; r++) {
                 float s;
-                const __m128i v = levels16(fmt, wr[r], sr[r], b, &s);
+                const __m128i v = levels16(fmt, wr[r], sr[r], b, &s, ks[r]);
                 const __m256 sc = _mm256_set1_ps(s);
                 const __m256 wl = _mm256_mul_ps(cvt8(v), sc), wh = _mm256_mul_ps(cvt8(_mm_srli_si128(v, 8)), sc);
                 for (int m = 0; m < M; m++) {
@@ -524,7 +574,8 @@ static inline uint8x16_t bits_to_0x10_neon(uint32_t bits16) {
 }
 
 static inline __attribute__((always_inline)) void levels32_neon(const int fmt, const void *wv, const float *s, int b,
-                                                                int8x16_t *lo, int8x16_t *hi, float *sc) {
+                                                                int8x16_t *lo, int8x16_t *hi, float *sc,
+                                                                const float *ks) {
     const uint8_t *w = (const uint8_t *)wv;
     switch (fmt) {
         case FMT_Q4_0: {
@@ -559,7 +610,7 @@ static inline __attribute__((always_inline)) void levels32_neon(const int fmt, c
             const int shift = 4 * (b & 1);
             *lo = vreinterpretq_s8_u8(nibbles_neon(vld1q_u8(qs), shift));
             *hi = vreinterpretq_s8_u8(nibbles_neon(vld1q_u8(qs + 16), shift));
-            *sc = stored_scale(FMT_Q4_K, w, b);
+            *sc = ks[b & 7];
             return;
         }
         default: {
@@ -572,13 +623,13 @@ static inline __attribute__((always_inline)) void levels32_neon(const int fmt, c
 }
 
 static inline __attribute__((always_inline)) int8x16_t levels16_neon(const int fmt, const void *wv, const float *s,
-                                                                     int b, float *sc) {
+                                                                     int b, float *sc, const float *ks) {
     if (fmt == FMT_Q6_K) {
         const uint8_t *blk = (const uint8_t *)wv + (long)(b >> 4) * Q6_K_BYTES;
         const int s16 = b & 15, h = s16 >> 3, i = (s16 & 7) >> 1, l0 = (s16 & 1) * 16;
         const uint8x16_t ql = vld1q_u8(blk + h * 64 + (i & 1) * 32 + l0), qh = vld1q_u8(blk + 128 + h * 32 + l0);
         const uint8x16_t hi2 = vandq_u8(vshlq_u8(qh, vdupq_n_s8((int8_t)(-2 * i))), vdupq_n_u8(3));
-        *sc = stored_scale(FMT_Q6_K, (const uint8_t *)wv, b);
+        *sc = ks[b & 15];
         return vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(nibbles_neon(ql, 4 * (i >> 1)), vshlq_n_u8(hi2, 4))),
                         vdupq_n_s8(32));
     }
@@ -591,19 +642,22 @@ static inline __attribute__((always_inline)) void tile_neon(const int fmt, const
                                                             const float *const sr[], const int R, int K, int G,
                                                             const float *x, long ldx, const int M, float *res) {
     float32x4_t acc[4][4][4];
+    float ks[4][16];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++)
             for (int j = 0; j < 4; j++) acc[r][m][j] = vdupq_n_f32(0.f);
     const int nb = K / G;
     const int bb = fmt_block_bytes(fmt, G);
-    for (int b = 0; b < nb; b++) {
+    FOR_BLOCKS(fmt, nb, b) {
         const int k = b * G;
         for (int r = 0; r < R; r++) __builtin_prefetch((const char *)wr[r] + (long)b * bb + PF_BYTES);
+        if (fmt_per_super(fmt) > 1 && b % fmt_per_super(fmt) == 0)
+            for (int r = 0; r < R; r++) super_scales(fmt, (const uint8_t *)wr[r], b / fmt_per_super(fmt), ks[r]);
         for (int r = 0; r < R; r++) {
             float s;
             if (G == 32) {
                 int8x16_t ql, qhv;
-                levels32_neon(fmt, wr[r], sr[r], b, &ql, &qhv, &s);
+                levels32_neon(fmt, wr[r], sr[r], b, &ql, &qhv, &s, ks[r]);
                 float32x4_t w0[4], w1[4];
                 cvt16_neon(ql, w0);
                 cvt16_neon(qhv, w1);
@@ -618,7 +672,7 @@ static inline __attribute__((always_inline)) void tile_neon(const int fmt, const
                 }
             } else {
                 float32x4_t w0[4];
-                cvt16_neon(levels16_neon(fmt, wr[r], sr[r], b, &s), w0);
+                cvt16_neon(levels16_neon(fmt, wr[r], sr[r], b, &s, ks[r]), w0);
                 const float32x4_t sc = vdupq_n_f32(s);
                 for (int j = 0; j < 4; j++) w0[j] = vmulq_f32(w0[j], sc);
                 for (int m = 0; m < M; m++) {
