@@ -4,7 +4,8 @@
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFValueType as V, GGUFWriter
+from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFValueType as V
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

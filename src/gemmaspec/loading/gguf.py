@@ -12,7 +12,6 @@ is slow to build and so cached (:mod:`.tokenizer_cache`).
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -65,7 +65,7 @@ class Field:
     start: int
     end: int
     count: int | None
-    _header: "GGUFHeader"
+    _header: GGUFHeader
     _value_at: int  # where the value (for arrays: the first element) starts
     _value: object = None  # decoded scalar / string / nested list
 
