@@ -255,7 +255,19 @@ static inline void levels_scalar(const int fmt, const void *wv, const float *s, 
 
 static void offsets_term(const int fmt, const void *w, const float *o, int nb, const float *xsum, int M,
                          float *out) {
-    /* out[m] = sum_b offset_b * xsum[m, b] */
+    /* out[m] = sum_b offset_b * xsum[m, b], b ascending */
+    if (fmt == FMT_Q4_K && M <= 8) { /* the offsets of a super-block decoded once for all rows of x */
+        float acc[8] = {0};
+        for (int sb = 0; sb < nb / 8; sb++) {
+            float ob[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) ob[j] = block_offset(FMT_Q4_K, w, NULL, sb * 8 + j);
+            for (int m = 0; m < M; m++)
+                for (int j = 0; j < 8; j++) acc[m] += ob[j] * xsum[(long)m * nb + sb * 8 + j];
+        }
+        for (int m = 0; m < M; m++) out[m] = acc[m];
+        return;
+    }
     for (int m = 0; m < M; m++) {
         float acc = 0.f;
         for (int b = 0; b < nb; b++) acc += block_offset(fmt, w, o, b) * xsum[(long)m * nb + b];
