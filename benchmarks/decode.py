@@ -49,7 +49,7 @@ def main():
     a = ap.parse_args()
     model = a.model or default_model_path()
     py = None if a.no_llama else llama_python()
-    ours(model, "warm-up", 2, a.threads)  # builds the prepared-model cache and the kernels once
+    ours(model, "warm-up", 2, a.threads)  # builds the tokenizer cache and the kernels once
     rows, raw = [], {}
     for kind, prompt in PROMPTS.items():
         runs = {"gemmaspec": [ours(model, prompt, a.n, a.threads) for _ in range(a.repeats)]}
