@@ -121,7 +121,7 @@ def compiled_library(src: Path, isa: str = "auto"):
     try:
         if not so.exists():
             if sys.stderr.isatty():
-                print(f"gemmaspec: compiling the C kernel {src.name} for this CPU (once, a few seconds)",
+                print(f"gemmaspec: compiling the C kernel {src.name} for this CPU (once per machine, 10-30 s)",
                       file=sys.stderr, flush=True)
             _compile(src, so, isa)
         return ctypes.CDLL(str(so))

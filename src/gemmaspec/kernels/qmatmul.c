@@ -173,12 +173,15 @@ static inline float stored_scale(const int fmt, const uint8_t *w, int b) {
 /* Group-blocks per super-block (K-quants: 8 of 32 values for Q4_K, 16 of 16 for Q6_K; others 1). */
 static inline int fmt_per_super(const int fmt) { return fmt == FMT_Q4_K ? 8 : fmt == FMT_Q6_K ? 16 : 1; }
 
-/* for each group-block b < nb: super-block by super-block for the K-quants, with the group-blocks of
- * one super-block unrolled, so that their positions inside it (b % per) are compile-time constants
- * (immediate shifts and offsets). The order of b is unchanged. */
+/* Group-blocks unrolled together: Q6_K's 16 per super-block, so that their positions inside it are
+ * compile-time constants (immediate shifts and offsets: a third fewer instructions); 1 elsewhere (the
+ * gain for Q4_K is small and every unrolled format costs compile time). */
+static inline int fmt_unrolled(const int fmt) { return fmt == FMT_Q6_K ? 16 : 1; }
+
+/* for each group-block b < nb, in order (see fmt_unrolled). */
 #define FOR_BLOCKS(fmt, nb, b)                                          \
-    for (int sb_ = 0; sb_ < (nb) / fmt_per_super(fmt); sb_++)           \
-        _Pragma("GCC unroll 16") for (int j_ = 0, b = sb_ * fmt_per_super(fmt); j_ < fmt_per_super(fmt); j_++, b++)
+    for (int sb_ = 0; sb_ < (nb) / fmt_unrolled(fmt); sb_++)            \
+        _Pragma("GCC unroll 16") for (int j_ = 0, b = sb_ * fmt_unrolled(fmt); j_ < fmt_unrolled(fmt); j_++, b++)
 
 /* The scales of every group-block of super-block sb of one row (K-quants), computed once per
  * super-block by the SIMD paths: ks[j] = stored_scale(fmt, w, sb * per + j), the same expression. */
