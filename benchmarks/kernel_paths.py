@@ -2,15 +2,19 @@
 
 Each run is a fresh ``gemmaspec generate`` process on the default model (greedy, EOS ignored, plain
 decoding, ``--json``); the decode tokens/s of each configuration is the median of ``--repeats`` runs,
-configurations taking turns. Paths: ``GEMMASPEC_ISA`` = avx512 / avx2 / portable (those this CPU can
-run; wait policy fixed to gemmaspec's default). Wait policies (``--policies``): gemmaspec's default
-(no variable set), ``OMP_WAIT_POLICY=passive`` (sleep at once; libgomp's spin count 0),
-``GOMP_SPINCOUNT`` = 1000 / 10000 / 100000 / 300000 (libgomp's own default when nothing is set, about
-3 ms) and ``OMP_WAIT_POLICY=active`` (spin for minutes), each on a quiet machine and with one busy
-process (``python -c 'while True: pass'``) that this script starts before and stops after the run.
-About 1 minute per policy at 3 repeats.
+configurations taking turns, and each run records how many cores everything else on the machine kept
+busy meanwhile (``/proc/stat``), since a shared machine is never quite quiet.
 
-    .venv/bin/python benchmarks/kernel_paths.py [--repeats 3] [--tokens 96] [--policies all|default,passive,...] [--no-isa]
+Paths (results/kernel_paths.*): ``GEMMASPEC_ISA`` = avx512 / avx2 / portable, those this CPU can run,
+threads spinning (``OMP_WAIT_POLICY=active``) so that only the path varies.
+Wait policies (results/wait_policy.*; ``--policies``, default all): gemmaspec's default (no variable
+set), ``OMP_WAIT_POLICY=passive`` (libgomp's spin count 0), ``spin N`` = ``GOMP_SPINCOUNT=N`` (N may end
+in k; 300k is libgomp's own default, 6-10 ms of ``pause`` on this Xeon) and ``OMP_WAIT_POLICY=active``
+(spin for minutes), each on a quiet machine and with one busy process (``python -c 'while True:
+pass'``) that this script starts before and stops after the run. About 10 s per run on a quiet machine.
+
+    .venv/bin/python benchmarks/kernel_paths.py [--repeats 3] [--tokens 96] [--policies all|default,spin 3k,...]
+                                                [--no-isa] [--no-wait]
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ POLICIES = {
     "default": {},
     "passive": {"OMP_WAIT_POLICY": "passive"},
     "spin 1k": {"GOMP_SPINCOUNT": "1000"},
+    "spin 3k": {"GOMP_SPINCOUNT": "3000"},
     "spin 10k": {"GOMP_SPINCOUNT": "10000"},
-    "spin 100k": {"GOMP_SPINCOUNT": "100000"},
+    "spin 30k": {"GOMP_SPINCOUNT": "30000"},
     "spin 300k (libgomp default)": {"GOMP_SPINCOUNT": "300000"},
     "active": {"OMP_WAIT_POLICY": "active"},
 }
@@ -80,10 +85,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--policies", default="all", help=f"comma-separated: all, or any of {', '.join(POLICIES)}, 'spin N'")
-    ap.add_argument("--no-isa", action="store_true", help="skip the kernel-path rows")
+    ap.add_argument("--policies", default="all",
+                    help=f"comma-separated: all, or any of {', '.join(POLICIES)}, 'spin N'")
+    ap.add_argument("--no-isa", action="store_true", help="skip the kernel-path rows (results/kernel_paths.*)")
+    ap.add_argument("--no-wait", action="store_true", help="skip the wait-policy rows (results/wait_policy.*)")
     a = ap.parse_args()
-    names = list(POLICIES) if a.policies == "all" else [p.strip() for p in a.policies.split(",")]
+    names = [] if a.no_wait else list(POLICIES) if a.policies == "all" else [p.strip() for p in a.policies.split(",")]
     try:
         envs = {n: policy_env(n) for n in names}
     except ValueError as e:
@@ -99,7 +106,7 @@ def main() -> None:
 
     for _ in range(a.repeats):
         for isa in isas:
-            run(f"isa {isa}", {"GEMMASPEC_ISA": isa})
+            run(f"isa {isa}", {"GEMMASPEC_ISA": isa, "OMP_WAIT_POLICY": "active"})  # spinning: only the path varies
         for name in names:
             run(f"wait {name} quiet", envs[name])
             with busy_process():
@@ -109,16 +116,25 @@ def main() -> None:
     def cores(xs):
         return ", ".join("?" if x is None else f"{x:.1f}" for x in xs)
 
-    lines = [f"Machine: {m['cpu']}, {m['cores']} cores; SIMD: {m['simd']}; default model, greedy, {a.tokens} tokens, "
-             f"EOS ignored, plain decoding, default threads; median of {a.repeats} fresh processes per row, "
-             "configurations taking turns. 'quiet': no load added by this script; 'one busy process': "
-             "`python -c 'while True: pass'` started by it. Last column: cores that everything else on the "
-             "machine kept busy during each run (the busy process included), from /proc/stat.", "",
-             "| configuration | decode tok/s (median) | runs | others' CPU (cores) |", "|---|---:|---|---|"]
-    for name, xs in runs.items():
-        lines.append(f"| {name} | {median(xs):.1f} | {', '.join(f'{x:.1f}' for x in xs)} | {cores(others[name])} |")
-    write_results("kernel_paths", {"machine": m, "tokens": a.tokens, "repeats": a.repeats, "policies": envs,
-                                   "runs": runs, "others_cores": others}, "\n".join(lines))
+    head = (f"Machine: {m['cpu']}, {m['cores']} cores; SIMD: {m['simd']}; default model, greedy, {a.tokens} tokens, "
+            f"EOS ignored, plain decoding, default threads; median of {a.repeats} fresh processes per row, "
+            "configurations taking turns.")
+    for name, prefix, note in (
+            ("kernel_paths", "isa ", " Threads spinning (OMP_WAIT_POLICY=active), so only the kernel path varies."),
+            ("wait_policy", "wait ", " 'quiet': no load added by this script; 'one busy process': "
+             "`python -c 'while True: pass'` started by it. Last column: cores that everything else on the machine "
+             "kept busy during each run (the busy process included), from /proc/stat.")):
+        rows = {k: v for k, v in runs.items() if k.startswith(prefix)}
+        if not rows:
+            continue
+        lines = [head + note, "", "| configuration | decode tok/s (median) | runs | others' CPU (cores) |",
+                 "|---|---:|---|---|"]
+        for label, xs in rows.items():
+            lines.append(f"| {label[len(prefix):]} | {median(xs):.1f} | {', '.join(f'{x:.1f}' for x in xs)} | "
+                         f"{cores(others[label])} |")
+        write_results(name, {"machine": m, "tokens": a.tokens, "repeats": a.repeats,
+                             "policies": envs if prefix == "wait " else None,
+                             "runs": rows, "others_cores": {k: others[k] for k in rows}}, "\n".join(lines))
 
 if __name__ == "__main__":
     main()
