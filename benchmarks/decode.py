@@ -1,18 +1,18 @@
-"""Plain decoding speed: gemmaspec vs llama.cpp on the same GGUF, prompts and threads, quiet and under load,
-against this machine's measured memory read bandwidth.
+"""Plain decoding speed: gemmaspec vs llama.cpp on the same GGUF, prompts and threads, quiet and under
+load, against this machine's measured memory read bandwidth.
 
 Each run is a cold process (load + prompt + N greedy tokens, EOS ignored so both make exactly that
-many). Reports medians over --repeats runs per prompt: prefill and decode tokens/s, time to the
-first token from process start, peak RSS, ours/llama.cpp; and for gemmaspec the bytes of weights read
-per decode step (summed from the loaded model object: every weight matrix and vector a token passes
+many). Reports medians over --repeats runs per prompt: prefill and decode tokens/s, time to the first
+token from process start, peak RSS, ours/llama.cpp; and for gemmaspec the bytes of weights read per
+decode step (summed from the loaded model object: every weight matrix and vector a token passes
 through, the tied embedding/head once as the head, embedding row lookups left out), the GB/s that
-implies (bytes/step x decode tokens/s) and its fraction of the read bandwidth a STREAM-like test
-measures on this machine (``common.read_bandwidth``: a float32 matrix-vector product far larger than the caches,
-all threads).
+implies (bytes/step x decode tokens/s) and its fraction of the read bandwidth that a STREAM-like test
+measures on this machine (``common.read_bandwidth``: a float32 matrix-vector product over an array far
+larger than the caches, all threads; measured after the runs, with no busy process).
 
 ``--load busy`` runs every decode with one competing busy process (``python -c 'while True: pass'``)
-that the script starts before the runs and stops after; ``--load both`` does the quiet runs, then
-the busy ones. llama.cpp runs through llama-cpp-python when its venv exists
+that the script starts before the runs and stops after; ``--load both`` does the quiet runs, then the
+busy ones. llama.cpp runs through llama-cpp-python when its venv exists
 (``$GEMMASPEC_HOME/bench/llama-venv``); otherwise the script says so and measures gemmaspec alone,
 unless ``--build-llama`` is given (builds it from source once, about 16 minutes on 2 cores).
 
@@ -124,8 +124,6 @@ def main():
             print("llama.cpp: llama-cpp-python is not installed (no venv under $GEMMASPEC_HOME/bench/llama-venv); "
                   "measuring gemmaspec only. --build-llama builds it (about 16 minutes on 2 cores).", file=sys.stderr)
     ours(model, "warm-up", 2, threads)  # builds the prepared-model cache and the kernels once
-    step = model_bytes(model)
-    bw = read_bandwidth(threads)
     loads = {"before": os.getloadavg()[0]}
     conditions = ["quiet", "one busy process"] if a.load == "both" else \
         ["one busy process" if a.load == "busy" else "quiet"]
@@ -137,6 +135,10 @@ def main():
             with busy_process():
                 raw[cond] = measure(py, model, prompts, a.n, threads, a.repeats)
         loads[f"after {cond}"] = os.getloadavg()[0]
+    # after the runs: a child's peak RSS (wait4) includes this process's peak at the time it was started,
+    # so this process loads the model and the bandwidth array only once every run is done
+    bw = read_bandwidth(threads)
+    step = model_bytes(model)
 
     m = machine()
     gb_step = step["total"] / 1e9
@@ -144,7 +146,8 @@ def main():
              f"{threads} threads; greedy; {a.n} new tokens; median of {a.repeats} cold runs per prompt; "
              f"model {os.path.basename(str(model))}" + ("" if py else "; llama.cpp not installed, not measured"),
              f"Weights read per decode step: {step['total'] / 2**20:.1f} MiB ({step['matrices']} matrices; "
-             f"head {step['head'] / 2**20:.1f} MiB). Read bandwidth (float32 matrix-vector product over {bw['array_mib']} MiB, "
+             f"head {step['head'] / 2**20:.1f} MiB). Read bandwidth (float32 matrix-vector product over "
+             f"{bw['array_mib']} MiB, "
              f"{threads} threads, {len(bw['passes_gbs'])} passes): best {bw['best_gbs']:.1f} GB/s, median "
              f"{bw['median_gbs']:.1f}. 1-minute load average: "
              + ", ".join(f"{k} {v:.2f}" for k, v in loads.items()) + " (shared machine: figures are noisy).", "",
