@@ -8,6 +8,7 @@ the running Python (``make setup`` installs it into ``.venv``); they do not edit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -64,13 +65,16 @@ def machine() -> dict:
             "python": platform.python_version(), "platform": platform.platform()}
 
 
-def llama_python() -> Path:
-    """Python of the llama-cpp-python venv, creating it (and building the wheel once) if needed."""
+def llama_python(build: bool = True) -> Path | None:
+    """Python of the llama-cpp-python venv, creating it (and building the wheel once) if needed; with
+    ``build=False``, None when it is not installed yet (nothing is built)."""
     bench = cache_home() / "bench"
     venv = bench / "llama-venv"
     py = venv / "bin" / "python"
     if py.exists() and subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode == 0:
         return py
+    if not build:
+        return None
     wheels = bench / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     if not list(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl")):
@@ -113,3 +117,55 @@ def write_results(name: str, data: dict, table: str) -> None:
     (out / f"{name}.md").write_text(table + "\n")
     print(table)
     print(f"\nwritten: benchmarks/results/{name}.json, benchmarks/results/{name}.md")
+
+
+@contextlib.contextmanager
+def busy_process():
+    """One competing CPU-bound process (``python -c 'while True: pass'``) for the duration of the
+    ``with`` block: started before (given 0.3 s to get going) and killed after, whatever happens."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        yield busy.pid
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+def cpu_busy_s() -> float | None:
+    """Seconds of CPU time all processes on this machine have used since boot (``/proc/stat``: every
+    state but idle and iowait, summed over CPUs); None where it cannot be read. The difference of two
+    readings over a wall-clock interval is how many cores were busy."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user..steal; guest time is inside user
+
+
+def read_bandwidth(threads: int, mib: int = 1024, repeats: int = 7) -> dict:
+    """This machine's memory read bandwidth, STREAM-like: a float32 matrix-vector product (``[mib MiB / 16
+    KiB rows, 4096] @ [4096]``, PyTorch's BLAS; the access pattern of a decode step) over an array much
+    larger than the last-level cache, so every pass streams it from DRAM, with ``threads`` threads and
+    ``repeats`` timed passes after one warm-up. Returns GB/s (10^9 bytes/s) of the best and the median
+    pass, every pass, and the settings. A few seconds on a quiet machine; load lowers it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.ones(mib * 2**20 // (4 * 4096), 4096, dtype=torch.float32)
+        v = torch.ones(4096, dtype=torch.float32)
+        a @ v  # warm-up: threads started
+        rates = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ v
+            rates.append(a.nbytes / (time.perf_counter() - t0) / 1e9)
+        del a
+    finally:
+        torch.set_num_threads(before)
+    return {"best_gbs": max(rates), "median_gbs": statistics.median(rates), "passes_gbs": rates,
+            "array_mib": mib, "threads": threads, "method": "float32 matrix-vector product (torch.mv)"}

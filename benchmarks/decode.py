@@ -1,29 +1,77 @@
-"""Plain decoding speed: gemmaspec vs llama.cpp on the same GGUF, prompts and threads.
+"""Plain decoding speed: gemmaspec vs llama.cpp on the same GGUF, prompts and threads, quiet and under
+load, against this machine's measured memory read bandwidth.
 
-Each run is a cold process (load + prompt + 128 greedy tokens, EOS ignored so both make exactly
-that many). Reports medians over --repeats runs per prompt: prefill and decode tokens/s, time to
-the first token from process start, peak RSS, and ours/llama.cpp.
+Each run is a cold process (load + prompt + N greedy tokens, EOS ignored so both make exactly that
+many). Reports medians over --repeats runs per prompt: prefill and decode tokens/s, time to the first
+token from process start, peak RSS, ours/llama.cpp; and for gemmaspec the bytes of weights read per
+decode step (summed from the loaded model object: every weight matrix and vector a token passes
+through, the tied embedding/head once as the head, embedding row lookups left out), the GB/s that
+implies (bytes/step x decode tokens/s) and its fraction of the read bandwidth that a STREAM-like test
+measures on this machine (``common.read_bandwidth``: a float32 matrix-vector product over an array far
+larger than the caches, all threads; measured after the runs, with no busy process).
 
-    python benchmarks/decode.py [--model PATH] [--threads 2] [--n 128] [--repeats 3] [--no-llama]
+``--load busy`` runs every decode with one competing busy process (``python -c 'while True: pass'``)
+that the script starts before the runs and stops after; ``--load both`` does the quiet runs, then the
+busy ones. llama.cpp runs through llama-cpp-python when its venv exists
+(``$GEMMASPEC_HOME/bench/llama-venv``); otherwise the script says so and measures gemmaspec alone,
+unless ``--build-llama`` is given (builds it from source once, about 16 minutes on 2 cores).
 
-Writes benchmarks/results/decode.json and decode.md.
+    python benchmarks/decode.py [--model PATH] [--threads N] [--n 128] [--repeats 3]
+                                [--load quiet|busy|both] [--prompts code,prose,qa] [--no-llama] [--build-llama]
+
+Writes benchmarks/results/decode.json (machine: CPU model and SIMD flags) and decode.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 
-from common import PROMPTS, llama_python, machine, median, run_cold, write_results
+from common import PROMPTS, busy_process, llama_python, machine, median, read_bandwidth, run_cold, write_results
 
+from gemmaspec.loader import physical_cores
 from gemmaspec.loading.default_model import default_model_path
+
+
+def bytes_per_step(model) -> dict:
+    """Bytes of weights one decode step reads, from a built target model (``LoadedModel.model``): the
+    ``nbytes`` of every entry of ``model.weights`` (a :class:`gemmaspec.kernels.BlockWeight`'s memory
+    held, a dense tensor's numel x element size), except the token-embedding tables that a token only
+    looks up a row of (``token_embd``, Gemma 4's ``per_layer_token_embd``); a tied head (``model.head``
+    is ``token_embd``) is counted once, as the head. Every layer and expert is counted (dense models).
+    Returns bytes: ``total``, ``head``, ``vectors`` (1-D tensors: norms and scales), and ``matrices``
+    (how many 2-D weights)."""
+    head = getattr(model, "head", None)
+    total = vectors = matrices = 0
+    for name, t in model.weights.items():
+        if name.endswith("token_embd.weight") and t is not head:
+            continue  # a row lookup per token: negligible
+        total += int(t.nbytes)
+        if len(t.shape) >= 2:
+            matrices += 1
+        else:
+            vectors += int(t.nbytes)
+    return {"total": total, "head": int(head.nbytes) if head is not None else 0, "vectors": vectors,
+            "matrices": matrices}
+
+
+def model_bytes(path) -> dict:
+    """:func:`bytes_per_step` of the model at ``path``, loaded once on the CPU and released again."""
+    from gemmaspec.loading import load_checkpoint
+
+    loaded = load_checkpoint(path, "cpu", role="target")
+    b = bytes_per_step(loaded.model)
+    del loaded
+    gc.collect()
+    return b
 
 
 def ours(model, prompt, n, threads):
     r = run_cold([sys.executable, "-m", "gemmaspec", "generate", "-m", str(model), "-p", prompt, "-n", str(n),
-                  "--temp", "0", "--ignore-eos", "-t", str(threads), "--json"])
+                  "--temp", "0", "--ignore-eos", "-t", str(threads), "--spec-type", "none", "--json"])
     s = json.loads(r["stdout"].rstrip("\n").rsplit("\n", 1)[-1])  # --json: the stats are the last stdout line
     return {"prompt_tokens": s["prompt_tokens"], "prefill_tps": s["prefill_tps"], "generated": s["generated_tokens"],
             "decode_tps": s["decode_tps"], "ttft_ms": s["ttft_ms"], "cold_first_token_s": r["first_output_s"],
@@ -39,37 +87,91 @@ def llama(py, model, prompt, n, threads):
     return d
 
 
+def measure(py, model, prompts, n, threads, repeats) -> dict:
+    """{prompt kind: {engine: [run dicts]}}, engines taking turns within each repeat."""
+    raw = {}
+    for kind in prompts:
+        runs = raw.setdefault(kind, {"gemmaspec": []} | ({"llama.cpp": []} if py else {}))
+        for _ in range(repeats):
+            runs["gemmaspec"].append(ours(model, PROMPTS[kind], n, threads))
+            if py:
+                runs["llama.cpp"].append(llama(py, model, PROMPTS[kind], n, threads))
+    return raw
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--n", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    ap.add_argument("--threads", type=int, default=None, help="threads for both engines (default: physical cores)")
+    ap.add_argument("--n", type=int, default=128, help="tokens to generate per run")
+    ap.add_argument("--repeats", type=int, default=3, help="cold runs per prompt and engine")
+    ap.add_argument("--load", choices=("quiet", "busy", "both"), default="quiet",
+                    help="decode on a quiet machine, with one busy process this script starts, or both")
+    ap.add_argument("--prompts", default=",".join(PROMPTS), help=f"comma-separated subset of {', '.join(PROMPTS)}")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
+    ap.add_argument("--build-llama", action="store_true",
+                    help="build llama-cpp-python into its venv if missing (about 16 minutes on 2 cores)")
     a = ap.parse_args()
+    prompts = [p.strip() for p in a.prompts.split(",")]
+    if any(p not in PROMPTS for p in prompts):
+        ap.error(f"--prompts: choose from {', '.join(PROMPTS)} (got {a.prompts})")
+    threads = a.threads or physical_cores()
     model = a.model or default_model_path()
-    py = None if a.no_llama else llama_python()
-    ours(model, "warm-up", 2, a.threads)  # builds the tokenizer cache and the kernels once
-    rows, raw = [], {}
-    for kind, prompt in PROMPTS.items():
-        runs = {"gemmaspec": [ours(model, prompt, a.n, a.threads) for _ in range(a.repeats)]}
-        if py:
-            runs["llama.cpp"] = [llama(py, model, prompt, a.n, a.threads) for _ in range(a.repeats)]
-        raw[kind] = runs
-        med = {eng: {k: median([r.get(k) for r in rs]) for k in
-                     ("prefill_tps", "decode_tps", "cold_first_token_s", "peak_rss_mb", "prompt_tokens")}
-               for eng, rs in runs.items()}
-        for eng, m in med.items():
-            ratio = (m["decode_tps"] / med["llama.cpp"]["decode_tps"]) if "llama.cpp" in med and eng == "gemmaspec" else None
-            rows.append((kind, eng, m, ratio))
-    lines = [f"Machine: {machine()['cpu']}, {machine()['cores']} cores; {a.threads} threads; greedy; {a.n} new tokens; "
-             f"median of {a.repeats} cold runs per prompt; model {os.path.basename(str(model))}", "",
-             "| prompt | engine | prompt tokens | prefill tok/s | decode tok/s | cold start → first token (s) | peak RSS (MB) | decode ours/llama.cpp |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for kind, eng, m, ratio in rows:
-        lines.append(f"| {kind} | {eng} | {m['prompt_tokens']:.0f} | {m['prefill_tps']:.1f} | {m['decode_tps']:.1f} | "
-                     f"{m['cold_first_token_s']:.2f} | {m['peak_rss_mb']:.0f} | {'' if ratio is None else f'{ratio:.2f}x'} |")
-    write_results("decode", {"machine": machine(), "settings": vars(a) | {"model": str(model)}, "runs": raw}, "\n".join(lines))
+    py = None
+    if not a.no_llama:
+        py = llama_python(build=a.build_llama)
+        if py is None:
+            print("llama.cpp: llama-cpp-python is not installed (no venv under $GEMMASPEC_HOME/bench/llama-venv); "
+                  "measuring gemmaspec only. --build-llama builds it (about 16 minutes on 2 cores).", file=sys.stderr)
+    ours(model, "warm-up", 2, threads)  # builds the tokenizer cache and the kernels once
+    loads = {"before": os.getloadavg()[0]}
+    conditions = ["quiet", "one busy process"] if a.load == "both" else \
+        ["one busy process" if a.load == "busy" else "quiet"]
+    raw = {}
+    for cond in conditions:
+        if cond == "quiet":
+            raw[cond] = measure(py, model, prompts, a.n, threads, a.repeats)
+        else:
+            with busy_process():
+                raw[cond] = measure(py, model, prompts, a.n, threads, a.repeats)
+        loads[f"after {cond}"] = os.getloadavg()[0]
+    # after the runs: a child's peak RSS (wait4) includes this process's peak at the time it was started,
+    # so this process loads the model and the bandwidth array only once every run is done
+    bw = read_bandwidth(threads)
+    step = model_bytes(model)
+
+    m = machine()
+    gb_step = step["total"] / 1e9
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores; SIMD: {m['simd']}; kernel path {m['kernel_isa']}; "
+             f"{threads} threads; greedy; {a.n} new tokens; median of {a.repeats} cold runs per prompt; "
+             f"model {os.path.basename(str(model))}" + ("" if py else "; llama.cpp not installed, not measured"),
+             f"Weights read per decode step: {step['total'] / 2**20:.1f} MiB ({step['matrices']} matrices; "
+             f"head {step['head'] / 2**20:.1f} MiB). Read bandwidth (float32 matrix-vector product over "
+             f"{bw['array_mib']} MiB, "
+             f"{threads} threads, {len(bw['passes_gbs'])} passes): best {bw['best_gbs']:.1f} GB/s, median "
+             f"{bw['median_gbs']:.1f}. 1-minute load average: "
+             + ", ".join(f"{k} {v:.2f}" for k, v in loads.items()) + " (shared machine: figures are noisy).", "",
+             "| load | prompt | engine | prompt tokens | prefill tok/s | decode tok/s | weights GB/s (of best read bw) "
+             "| cold start → first token (s) | peak RSS (MB) | decode ours/llama.cpp |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for cond, per_prompt in raw.items():
+        for kind, runs in per_prompt.items():
+            med = {eng: {k: median([r.get(k) for r in rs]) for k in
+                         ("prefill_tps", "decode_tps", "cold_first_token_s", "peak_rss_mb", "prompt_tokens")}
+                   for eng, rs in runs.items()}
+            for eng, md in med.items():
+                ratio = md["decode_tps"] / med["llama.cpp"]["decode_tps"] \
+                    if eng == "gemmaspec" and "llama.cpp" in med else None
+                gbs = gb_step * md["decode_tps"] if eng == "gemmaspec" else None
+                share = "" if gbs is None else f"{gbs:.1f} ({gbs / bw['best_gbs']:.0%})"
+                lines.append(
+                    f"| {cond} | {kind} | {eng} | {md['prompt_tokens']:.0f} | {md['prefill_tps']:.1f} | "
+                    f"{md['decode_tps']:.1f} | {share} | "
+                    f"{md['cold_first_token_s']:.2f} | {md['peak_rss_mb']:.0f} | "
+                    f"{'' if ratio is None else f'{ratio:.2f}x'} |")
+    write_results("decode", {"machine": m, "settings": vars(a) | {"model": str(model), "threads": threads},
+                             "llama_cpp_installed": py is not None, "bytes_per_step": step,
+                             "read_bandwidth": bw, "loadavg": loads, "runs": raw}, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -10,36 +10,35 @@ import os as _os
 
 __version__ = "0.1.0"
 
-
-def _busy_others() -> int:
-    """Processes other than this one running right now (``/proc/loadavg``'s runnable count, the least of
-    three looks 5 ms apart, so a passing blip is not taken for a busy machine); 0 when unknown."""
-    import time
-
-    seen = []
-    try:
-        for _ in range(3):
-            with open("/proc/loadavg") as f:
-                seen.append(int(f.read().split()[3].split("/")[0]) - 1)
-            time.sleep(0.005)
-    except (OSError, ValueError, IndexError):
-        return 0
-    return max(0, min(seen))
+WAIT_POLICY = "passive"
+"""The ``OMP_WAIT_POLICY`` gemmaspec sets when the user has chosen none (see :func:`_wait_policy`)."""
 
 
 def _wait_policy() -> None:
-    """OpenMP threads spin between parallel regions by default: fastest on a quiet machine, but when
-    other processes are busy a spinning thread holds its core while the thread it waits for is
-    descheduled, and decode slows several-fold (``benchmarks/kernel_paths.py``, 2 cores: spinning 26.7
-    tokens/s quiet, 10.0 with one busy process; passive 18.7 / 18.0; this choice 25.9 / 17.7). So when, at start,
-    other processes are running on at least half the usable cores, threads wait passively. Takes effect
-    only when gemmaspec is imported before torch (the ``gemmaspec`` command always is) and the user has
-    set neither ``OMP_WAIT_POLICY`` nor ``GOMP_SPINCOUNT``."""
+    """Make OpenMP threads sleep, not spin, while they wait: set ``OMP_WAIT_POLICY=passive`` unless the
+    user has set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (their choice always wins).
+
+    Why: a decode step of the default model runs ~95 parallel regions (four kernel calls per layer, the
+    head, a few PyTorch ops), and between two of them a waiting libgomp thread spins by default for up to
+    300,000 ``pause``s (6-10 ms on this Xeon) before it sleeps. On an idle core that is free and saves a
+    wake-up; but when another process wants the CPU, each spin is taken from the thread the team waits
+    for or from that process, once per region. So the spin that helps on an idle machine is what makes
+    decode collapse under load, and OpenMP reads the setting once, at start, while load can appear at
+    any time. ``benchmarks/kernel_paths.py`` (results/wait_policy.md; 2-core KVM Xeon shared with other
+    jobs that kept about one core busy, default model, greedy, medians of 3 fresh processes): passive
+    19.8 tokens/s, with one more busy process 9.7; ``GOMP_SPINCOUNT`` 1k 14.7 / 10.9, 3k 18.1 / 10.1,
+    10k 11.5 / 7.1, 30k 6.1 / 3.8, 300k (libgomp's default) 1.3 / 1.0, active 2.7 / 0.8. No bounded spin
+    did measurably better than none under load, and every longer one did worse. The price: on a machine
+    with nothing else running, spinning is faster (one clean-ish sample: 300k 35 tokens/s, passive 18).
+
+    ``OMP_WAIT_POLICY`` is the OpenMP standard's variable, so it reaches whichever runtimes the process
+    loads: PyTorch's libgomp (LLVM's libomp in some builds) and the system libgomp the C kernel links
+    (here one library: the kernel's ``libgomp.so.1`` resolves to the one PyTorch already loaded). It
+    takes effect only when gemmaspec is imported before torch (the ``gemmaspec`` command and every module
+    of this package do; ``import torch`` first in your own program leaves torch's runtime as it started)."""
     if "OMP_WAIT_POLICY" in _os.environ or "GOMP_SPINCOUNT" in _os.environ:
         return
-    cores = len(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity") else (_os.cpu_count() or 1)
-    if _busy_others() >= max(1, cores // 2):
-        _os.environ["OMP_WAIT_POLICY"] = "passive"
+    _os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY
 
 
 _wait_policy()
