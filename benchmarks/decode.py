@@ -32,6 +32,7 @@ import sys
 
 from common import PROMPTS, busy_process, llama_python, machine, median, read_bandwidth, run_cold, write_results
 
+import gemmaspec
 from gemmaspec.loader import physical_cores
 from gemmaspec.loading.default_model import default_model_path
 
@@ -81,7 +82,9 @@ def ours(model, prompt, n, threads):
 def llama(py, model, prompt, n, threads):
     here = os.path.dirname(os.path.abspath(__file__))
     arg = json.dumps({"model": str(model), "prompt": prompt, "n": n, "threads": threads})
-    r = run_cold([str(py), os.path.join(here, "llama_runner.py"), arg])
+    # llama.cpp gets the user's environment, not the OpenMP wait policy gemmaspec set for itself at import
+    env = {k: v for k, v in os.environ.items() if k not in gemmaspec.SET_ENV}
+    r = run_cold([str(py), os.path.join(here, "llama_runner.py"), arg], env=env)
     d = json.loads(r["stderr"].strip().splitlines()[-1])
     d.update({"cold_first_token_s": r["first_output_s"], "peak_rss_mb": r["peak_rss_mb"]})
     return d

@@ -16,10 +16,12 @@ def test_wait_policy_is_passive_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     gemmaspec._wait_policy()
     assert os.environ["OMP_WAIT_POLICY"] == "passive"
+    assert gemmaspec.SET_ENV == {"OMP_WAIT_POLICY": "passive"}  # benchmarks hand llama.cpp the env without it
     assert "GOMP_SPINCOUNT" not in os.environ
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
     gemmaspec._wait_policy()
     assert os.environ["OMP_WAIT_POLICY"] == "active"  # the user's choice wins
+    assert gemmaspec.SET_ENV == {}
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setenv("GOMP_SPINCOUNT", "5000")
     gemmaspec._wait_policy()

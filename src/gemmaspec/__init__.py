@@ -11,6 +11,9 @@ import os as _os
 __version__ = "0.1.0"
 
 WAIT_POLICY = "passive"
+SET_ENV: dict[str, str] = {}
+"""Environment variables gemmaspec set at import (not the user), so that tools which start other
+programs (benchmarks running llama.cpp) can hand those programs the user's own environment."""
 """The ``OMP_WAIT_POLICY`` gemmaspec sets when the user has chosen none (see :func:`_wait_policy`)."""
 
 
@@ -37,8 +40,10 @@ def _wait_policy() -> None:
     takes effect only when gemmaspec is imported before torch (the ``gemmaspec`` command and every module
     of this package do; ``import torch`` first in your own program leaves torch's runtime as it started)."""
     if "OMP_WAIT_POLICY" in _os.environ or "GOMP_SPINCOUNT" in _os.environ:
+        if _os.environ.get("OMP_WAIT_POLICY") != SET_ENV.get("OMP_WAIT_POLICY"):
+            SET_ENV.pop("OMP_WAIT_POLICY", None)  # the user's own value now
         return
-    _os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY
+    _os.environ["OMP_WAIT_POLICY"] = SET_ENV["OMP_WAIT_POLICY"] = WAIT_POLICY
 
 
 _wait_policy()
