@@ -236,20 +236,24 @@ class CPUBlockWeight(BlockWeight):
     def _small(self, lib, x2: torch.Tensor, y: torch.Tensor) -> None:
         """y float32 [M, N] = x2 float32 [M, K] @ W.T in one call of the C kernel (M <= SMALL_M)."""
         m, k = x2.shape
-        segs = self._segments()
-        xsum, g = None, self._offset_group()
+        cached = self.__dict__.get("_kernel_args")
+        if cached is None:  # built once: the weight's tensors (and so their addresses) never change
+            segs = self._segments()
+            ns = len(segs)
+            arr = lambda ctype, vals: (ctype * ns)(*vals)  # noqa: E731
+            P = ctypes.c_void_p
+            cached = self._kernel_args = ((
+                ns, arr(ctypes.c_int, [s[0] for s in segs]), arr(P, [s[1].data_ptr() for s in segs]),
+                arr(P, [None if s[2] is None else s[2].data_ptr() for s in segs]),
+                arr(P, [None if s[3] is None else s[3].data_ptr() for s in segs]),
+                arr(ctypes.c_int, [s[4] for s in segs]), arr(ctypes.c_int, [s[5] for s in segs])),
+                self._offset_group())
+        args, g = cached
+        xsum = None
         if g is not None:
             xsum = torch.empty(m, k // g, dtype=torch.float32)
             lib.gs_block_sums(_ptr(x2), m, k, g, _ptr(xsum))
-        ns = len(segs)
-        arr = lambda ctype, vals: (ctype * ns)(*vals)  # noqa: E731
-        P = ctypes.c_void_p
-        lib.gs_qmatmul_multi(ns, arr(ctypes.c_int, [s[0] for s in segs]),
-                             arr(P, [s[1].data_ptr() for s in segs]),
-                             arr(P, [None if s[2] is None else s[2].data_ptr() for s in segs]),
-                             arr(P, [None if s[3] is None else s[3].data_ptr() for s in segs]),
-                             arr(ctypes.c_int, [s[4] for s in segs]), arr(ctypes.c_int, [s[5] for s in segs]),
-                             k, _ptr(x2), _ptr(xsum), m, _ptr(y), torch.get_num_threads())
+        lib.gs_qmatmul_multi(*args, k, _ptr(x2), _ptr(xsum), m, _ptr(y), torch.get_num_threads())
 
     def _dequant_rows(self, lib, n0: int, n1: int, out: torch.Tensor) -> None:
         """Rows n0..n1-1 of W into float32 ``out`` [>= n1 - n0, K] (the C kernel's dequantizer)."""
