@@ -125,7 +125,7 @@ def test_portable_fp16_conversion_is_exact(libs):
     b[:, 2:] = 0x99  # every value nibble 9: level 1, so W = d
     out = torch.empty(n, 32)
     kernels.Q4_0Weight(torch.from_numpy(b), 32)._dequant_rows(libs["portable"], 0, n, out)
-    want = h.astype(np.float32) + np.float32(0)  # d * 1 + 0, as gs_dequant computes it (-0 becomes +0)
+    want = h.astype(np.float32) + np.float32(0)  # d * 1 + 0, as the C dequantizer computes it (-0 becomes +0)
     assert np.array_equal(bits(out[:, 0].numpy()), bits(want))
 
 

@@ -155,11 +155,8 @@ def matmul_library(isa: str = "auto"):
         "gs_qmatmul": [P, P, P, I, I, I, P, P, I, P, I],
         "gs_qmatmul_multi": [I, P, P, P, P, P, P, I, P, P, I, P, I],
         "gs_qmatmul_stored": [I, P, I, I, P, P, I, P, I],
-        "gs_dequant": [P, P, P, I, I, I, P, I],
         "gs_dequant_rows": [I, P, P, P, I, I, I, I, P, I],
         "gs_dequant_ids": [I, P, P, P, I, P, I, I, P],
-        "gs_qmatmul_q4_0": [P, I, I, P, I, P, I],
-        "gs_dequant_q4_0": [P, I, I, I, P, I],
         "gs_block_sums": [P, I, I, I, P],
     }
     for name, args in sigs.items():

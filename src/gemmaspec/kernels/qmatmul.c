@@ -915,16 +915,3 @@ void gs_dequant_ids(int fmt, const void *w, const float *s, const float *o, int 
                     int K, float *out) {
     for (int i = 0; i < nids; i++) dequant_row(fmt, w, s, o, G, K, ids[i], out + (long)i * K);
 }
-
-/* Compatibility entry points (int8 form, Q4_0). */
-void gs_dequant(const int8_t *q, const float *s, const float *o, int N, int K, int G, float *out, int nthreads) {
-    gs_dequant_rows(FMT_I8, q, s, o, G, 0, N, K, out, nthreads);
-}
-
-void gs_qmatmul_q4_0(const uint8_t *blocks, int N, int K, const float *x, int M, float *y, int nthreads) {
-    gs_qmatmul_stored(FMT_Q4_0, blocks, N, K, x, NULL, M, y, nthreads);
-}
-
-void gs_dequant_q4_0(const uint8_t *blocks, int n0, int n1, int K, float *out, int nthreads) {
-    gs_dequant_rows(FMT_Q4_0, blocks, NULL, NULL, 32, n0, n1, K, out, nthreads);
-}
