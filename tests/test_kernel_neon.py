@@ -27,7 +27,7 @@ def harness(tmp_path_factory):
     if ref is None:
         pytest.skip("no C compiler: kernels fall back to torch")
     exe = tmp_path_factory.mktemp("neon") / "harness"
-    subprocess.run([CC, "-O3", "-march=armv8.2-a", "-ffp-contract=off", "-fopenmp", "-static",
+    subprocess.run([CC, "-O3", "-march=armv8.2-a", "-ffp-contract=off", "-pthread", "-static",
                     str(ROOT / "tests/native/kernel_harness.c"), str(ROOT / "src/gemmaspec/kernels/qmatmul.c"),
                     "-o", str(exe), "-lm"], check=True, capture_output=True)
     return exe, ref

@@ -20,6 +20,7 @@ dequantized fp32 matrix, kept in memory: correct, slower, four times the memory.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -44,6 +45,38 @@ log = logging.getLogger(__name__)
 SMALL_M = 16  # at most this many rows go through the C kernel
 TILE_BYTES = 16 << 20  # float32 bytes of a weight dequantized at once for a many-row product
 _SRC = Path(__file__).with_name("qmatmul.c")
+_threads: int | None = None  # the kernel's thread count inside ops_on_one_thread(); else PyTorch's
+
+
+def threads() -> int:
+    """Threads the C kernel uses: PyTorch's intra-op thread count (``-t`` sets it), or inside
+    :func:`ops_on_one_thread` the count from before it."""
+    return _threads if _threads is not None else torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def ops_on_one_thread():
+    """Within this block PyTorch's own ops run on one thread while the C kernel keeps its threads.
+
+    For steps of few rows (decode, speculative verify, drafting): their PyTorch ops (norms, RoPE,
+    attention over one query row, softmax) take microseconds, less than waking a team of OpenMP threads
+    (a passive OpenMP wake-up made a [1, 4, 100] softmax cost 123 us instead of 11 on this project's
+    2-core machine), while the weight products, which do need every core, run in the kernel's own pool
+    (``pool.h``). Results do not change: PyTorch's CPU ops give the same bits for any thread count on
+    these shapes (each output row is computed by one thread either way)."""
+    global _threads
+    saved, before = _threads, torch.get_num_threads()
+    _threads = threads()
+    if before != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before != 1:
+            torch.set_num_threads(before)
+        _threads = saved
+
+
 _lib = None
 _lib_tried = False
 _lock = threading.Lock()
@@ -77,7 +110,7 @@ def cpu_supports(isa: str) -> bool:
 
 
 def _flags(isa: str) -> list[str]:
-    return ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *_ISA_FLAGS[isa]]
+    return ["-O3", "-march=native", "-ffp-contract=off", "-pthread", *_ISA_FLAGS[isa]]
 
 
 def _compile(src: Path, out: Path, isa: str = "auto") -> None:
@@ -114,8 +147,9 @@ def compiled_library(src: Path, isa: str = "auto"):
     any of them rebuilds it."""
     if os.environ.get("GEMMASPEC_NO_KERNELS") == "1":
         return None
+    headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # what the source includes
     key = hashlib.sha256(
-        src.read_bytes() + f"|{' '.join(_flags(isa))}|{os.uname().machine}|{_cpu_flags()}".encode()
+        src.read_bytes() + headers + f"|{' '.join(_flags(isa))}|{os.uname().machine}|{_cpu_flags()}".encode()
     ).hexdigest()[:16]
     so = cache_home() / "kernels" / f"{src.stem}-{key}.so"
     try:
@@ -158,6 +192,7 @@ def matmul_library(isa: str = "auto"):
         "gs_dequant_rows": [I, P, P, P, I, I, I, I, P, I],
         "gs_dequant_ids": [I, P, P, P, I, P, I, I, P],
         "gs_block_sums": [P, I, I, I, P],
+        "gs_rms_norm": [P, P, I, I, ctypes.c_float, P],
     }
     for name, args in sigs.items():
         fn = getattr(lib, name)
@@ -216,6 +251,22 @@ class CPUBlockWeight(BlockWeight):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for x float32 [..., K] → float32 [..., N]: the C kernel for up to ``SMALL_M`` rows,
         tiles of W through PyTorch's matmul for more, a kept float32 W without a kernel."""
+        plan = self.__dict__.get("_plan")
+        if plan is not None and x.device.type == "cpu":
+            # the decode path, kept short (a step makes ~70 of these calls): shapes, kernel arguments
+            # and the library were settled by the first call
+            lib, n, k, args = plan
+            x2 = x.reshape(-1, k)
+            if x2.dtype != torch.float32 or not x2.is_contiguous():
+                x2 = x2.float().contiguous()
+            m = x2.shape[0]
+            if m <= SMALL_M:
+                y = torch.empty(m, n, dtype=torch.float32)
+                lib.gs_qmatmul_multi(*args, k, x2.data_ptr(), None, m, y.data_ptr(), threads())
+                return y.view(*x.shape[:-1], n)
+        return self._call(x)
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.shape
         lead = x.shape[:-1]
         lib = load_library() if x.device.type == "cpu" and self._device.type == "cpu" else None
@@ -228,6 +279,7 @@ class CPUBlockWeight(BlockWeight):
             return self._tiled(lib, x2).view(*lead, n)
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
         self._small(lib, x2, y)
+        self._plan = (lib, n, k, self._kernel_args[0])
         return y.view(*lead, n)
 
     def _small(self, lib, x2: torch.Tensor, y: torch.Tensor) -> None:
@@ -245,12 +297,8 @@ class CPUBlockWeight(BlockWeight):
                 arr(P, [None if s[3] is None else s[3].data_ptr() for s in segs]),
                 arr(ctypes.c_int, [s[4] for s in segs]), arr(ctypes.c_int, [s[5] for s in segs])),
                 self._offset_group())
-        args, g = cached
-        xsum = None
-        if g is not None:
-            xsum = torch.empty(m, k // g, dtype=torch.float32)
-            lib.gs_block_sums(_ptr(x2), m, k, g, _ptr(xsum))
-        lib.gs_qmatmul_multi(*args, k, _ptr(x2), _ptr(xsum), m, _ptr(y), torch.get_num_threads())
+        # the kernel computes the block sums of x that offsets (Q4_K) need itself (xsum NULL)
+        lib.gs_qmatmul_multi(*cached[0], k, _ptr(x2), None, m, _ptr(y), threads())
 
     def _dequant_rows(self, lib, n0: int, n1: int, out: torch.Tensor) -> None:
         """Rows n0..n1-1 of W into float32 ``out`` [>= n1 - n0, K] (the C kernel's dequantizer)."""
@@ -259,8 +307,7 @@ class CPUBlockWeight(BlockWeight):
             a, b = max(n0, base), min(n1, base + n)
             if a < b:
                 dst = ctypes.c_void_p(out.data_ptr() + 4 * (a - n0) * k)
-                lib.gs_dequant_rows(fmt, _ptr(w), _ptr(s), _ptr(o), g, a - base, b - base, k, dst,
-                                    torch.get_num_threads())
+                lib.gs_dequant_rows(fmt, _ptr(w), _ptr(s), _ptr(o), g, a - base, b - base, k, dst, threads())
             base += n
 
     def _tiled(self, lib, x2: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pool.h"
+
 #define QK 32
 
 static double pow2(int e) {                       /* 2^e for -1022 <= e <= 1023, exactly */
@@ -135,11 +137,32 @@ static const int STAGE2[] = {5, 4, 3, 2, 1, -1, -2, -3, -4, -5};
  * Out: d fp16 bits [nblocks], levels int8 [nblocks, 32], exact int32 [nblocks], err float64 [nblocks]
  * (worst error in ulps), packed uint8 [nblocks, 18] (ggml block_q4_0: d, then byte j = q[j] | q[j+16] << 4
  * with q = level + 8), sq_err / sq_src float64 [nblocks]: sum of (d*level - v)^2 and of v^2. */
-void gs_q4_0_exact(const float *v, int64_t nblocks, int mantissa_bits, double tol, uint16_t *d_out,
-                   int8_t *lv_out, int32_t *exact_out, double *err_out, uint8_t *packed, double *sq_err,
-                   double *sq_src, int nthreads) {
-#pragma omp parallel for schedule(static, 256) num_threads(nthreads)
-    for (int64_t blk = 0; blk < nblocks; blk++) {
+typedef struct {
+    const float *v;
+    int64_t nblocks;
+    int mantissa_bits;
+    double tol;
+    uint16_t *d_out;
+    int8_t *lv_out;
+    int32_t *exact_out;
+    double *err_out;
+    uint8_t *packed;
+    double *sq_err, *sq_src;
+} pack_job;
+
+#define PACK_BLOCKS 256 /* blocks per task */
+static void pack_task(void *ctx, int t) {
+    const pack_job *j = (const pack_job *)ctx;
+    const float *v = j->v;
+    const int mantissa_bits = j->mantissa_bits;
+    const double tol = j->tol;
+    uint16_t *d_out = j->d_out;
+    int8_t *lv_out = j->lv_out;
+    int32_t *exact_out = j->exact_out;
+    double *err_out = j->err_out, *sq_err = j->sq_err, *sq_src = j->sq_src;
+    uint8_t *packed = j->packed;
+    const int64_t end = (int64_t)(t + 1) * PACK_BLOCKS < j->nblocks ? (int64_t)(t + 1) * PACK_BLOCKS : j->nblocks;
+    for (int64_t blk = (int64_t)t * PACK_BLOCKS; blk < end; blk++) {
         const float *x = v + blk * QK;
         double v64[QK], inv_ulp[QK];
         double peak = 0.0, amax = -1.0;
@@ -189,4 +212,11 @@ void gs_q4_0_exact(const float *v, int64_t nblocks, int mantissa_bits, double to
         exact_out[blk] = b.exact;
         err_out[blk] = b.err;
     }
+}
+
+void gs_q4_0_exact(const float *v, int64_t nblocks, int mantissa_bits, double tol, uint16_t *d_out,
+                   int8_t *lv_out, int32_t *exact_out, double *err_out, uint8_t *packed, double *sq_err,
+                   double *sq_src, int nthreads) {
+    pack_job job = {v, nblocks, mantissa_bits, tol, d_out, lv_out, exact_out, err_out, packed, sq_err, sq_src};
+    gs_parallel((int)((nblocks + PACK_BLOCKS - 1) / PACK_BLOCKS), nthreads, pack_task, &job);
 }

@@ -32,6 +32,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "pool.h"
 #if !defined(GS_PORTABLE) && defined(__AVX512F__) && !defined(GS_NO_AVX512)
 #define GS_AVX512 1
 #elif !defined(GS_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
@@ -66,9 +68,13 @@ const char *gs_isa(void) {
 #define MCHUNK 4
 #endif
 #define NR 4        /* output rows handled together (independent accumulator chains) */
+#ifndef NTILE
 #define NTILE 64   /* output rows per scheduling unit (a multiple of NR) */
+#endif
+#ifndef PF_BYTES
 #define PF_BYTES 8192 /* software prefetch distance along the weight stream: one core alone cannot
                          keep enough cache misses in flight to read at full memory bandwidth */
+#endif
 
 /* Weight formats (the numbers gemmaspec.kernels passes). */
 #define FMT_I8 0
@@ -834,11 +840,30 @@ static void run_tile(const gs_segment *sg, int K, const float *x, const float *x
     }
 }
 
+void gs_block_sums(const float *x, int M, int K, int G, float *xsum);
+
+typedef struct {
+    const gs_segment *sg;
+    const int *first;
+    int nseg, K;
+    const float *x, *xsum;
+    int M;
+    float *y;
+    int col;
+} gs_multi_job;
+
+static void multi_task(void *ctx, int t) {
+    const gs_multi_job *j = (const gs_multi_job *)ctx;
+    int i = 0;
+    while (t >= j->first[i + 1]) i++;
+    run_tile(&j->sg[i], j->K, j->x, j->xsum, j->M, j->y, j->col, t - j->first[i]);
+}
+
 /* y [M, sum of N] fp32 = x [M, K] fp32 @ [W_0; W_1; ...]^T for nseg weight matrices of the same K in
  * any formats (fmts, ws, and for FMT_I8 ss, os, Gs; NULL entries elsewhere), their outputs side by side
  * in y; one parallel loop over the tiles of all of them. xsum [M, K/G]: gs_block_sums of x over the G
- * of the segments with offsets (Q4_K: 32, or FMT_I8 with o; all the same G), else NULL. K: a multiple of each
- * format's block (32; 256 for Q4_K, Q6_K). At most 8 segments. */
+ * of the segments with offsets (Q4_K: 32, or FMT_I8 with o; all the same G), or NULL: computed here
+ * when a segment needs it. K: a multiple of each format's block (32; 256 for Q4_K, Q6_K). At most 8 segments. */
 void gs_qmatmul_multi(int nseg, const int *fmts, const void *const *ws, const float *const *ss,
                       const float *const *os, const int *Gs, const int *Ns, int K, const float *x,
                       const float *xsum, int M, float *y, int nthreads) {
@@ -851,13 +876,22 @@ void gs_qmatmul_multi(int nseg, const int *fmts, const void *const *ws, const fl
         col += Ns[i];
         first[i + 1] = first[i] + (Ns[i] + NTILE - 1) / NTILE;
     }
-    const int ntiles = first[nseg];
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int t = 0; t < ntiles; t++) {
-        int i = 0;
-        while (t >= first[i + 1]) i++;
-        run_tile(&sg[i], K, x, xsum, M, y, col, t - first[i]);
+    float *own = NULL;
+    if (!xsum) { /* segments with offsets read sums of x over their G-value blocks: computed here */
+        int g = 0;
+        for (int i = 0; i < nseg; i++)
+            if (sg[i].fmt == FMT_Q4_K) g = 32;
+            else if (sg[i].fmt == FMT_I8 && sg[i].o) g = sg[i].G;
+        if (g) {
+            own = (float *)malloc(sizeof(float) * (size_t)M * (size_t)(K / g));
+            if (!own) return;
+            gs_block_sums(x, M, K, g, own);
+            xsum = own;
+        }
     }
+    gs_multi_job job = {sg, first, nseg, K, x, xsum, M, y, col};
+    gs_parallel(first[nseg], nthreads, multi_task, &job);
+    free(own);
 }
 
 /* xsum[m, b] = sum of x[m, b*G : (b+1)*G]; needed only when offsets are present. */
@@ -904,14 +938,51 @@ static void dequant_row(int fmt, const void *w, const float *s, const float *o, 
 }
 
 /* out [n1 - n0, K] fp32 = rows n0..n1-1 of W (any format), for products with many rows. */
+typedef struct {
+    int fmt;
+    const void *w;
+    const float *s, *o;
+    int G, n0, n1, K;
+    float *out;
+} gs_dequant_job;
+
+#define DQ_ROWS 64 /* rows per task */
+static void dequant_task(void *ctx, int t) {
+    const gs_dequant_job *j = (const gs_dequant_job *)ctx;
+    const int a = j->n0 + t * DQ_ROWS, b = a + DQ_ROWS < j->n1 ? a + DQ_ROWS : j->n1;
+    for (int n = a; n < b; n++) dequant_row(j->fmt, j->w, j->s, j->o, j->G, j->K, n, j->out + (long)(n - j->n0) * j->K);
+}
+
 void gs_dequant_rows(int fmt, const void *w, const float *s, const float *o, int G, int n0, int n1, int K,
                      float *out, int nthreads) {
-#pragma omp parallel for schedule(dynamic, 64) num_threads(nthreads)
-    for (int n = n0; n < n1; n++) dequant_row(fmt, w, s, o, G, K, n, out + (long)(n - n0) * K);
+    gs_dequant_job job = {fmt, w, s, o, G, n0, n1, K, out};
+    gs_parallel((n1 - n0 + DQ_ROWS - 1) / DQ_ROWS, nthreads, dequant_task, &job);
 }
 
 /* out [nids, K] fp32 = rows ids[0..nids-1] of W (an embedding lookup). */
 void gs_dequant_ids(int fmt, const void *w, const float *s, const float *o, int G, const int64_t *ids, int nids,
                     int K, float *out) {
     for (int i = 0; i < nids; i++) dequant_row(fmt, w, s, o, G, K, ids[i], out + (long)i * K);
+}
+
+/* out [rows, d] fp32 = x [rows, d] * (1 / sqrt(mean over d of x^2 + eps)) * w (w NULL: no scale), row by
+ * row (RMSNorm, Zhang & Sennrich 2019, as transformers' Gemma3RMSNorm / Gemma4RMSNorm compute it in
+ * float32 with the (1 + w) or w weight already folded in by the loader). The sum of squares runs in 8
+ * lane sums over d (d a multiple of 8), added in a fixed order: the same bits for a row whatever the
+ * number of rows, so norms keep batch invariance. For a few rows (decode): one call instead of the ten
+ * small PyTorch ops of torch.nn.functional.rms_norm. */
+void gs_rms_norm(const float *x, const float *w, int rows, int d, float eps, float *out) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (long)r * d;
+        float *o = out + (long)r * d;
+        float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int i = 0; i < d; i += 8)
+            for (int j = 0; j < 8; j++) a[j] += xr[i + j] * xr[i + j];
+        const float ss = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        if (w)
+            for (int i = 0; i < d; i++) o[i] = (xr[i] * inv) * w[i];
+        else
+            for (int i = 0; i < d; i++) o[i] = xr[i] * inv;
+    }
 }

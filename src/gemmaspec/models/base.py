@@ -7,7 +7,9 @@ from typing import Protocol
 
 import torch
 
-from ..kernels import BlockWeight
+import contextlib
+
+from ..kernels import BlockWeight, load_library, ops_on_one_thread
 from ..kv_cache import KVCache
 
 @dataclass
@@ -42,6 +44,16 @@ class CausalLM(Protocol):
     # for a model without it.
 
 
+FEW_ROWS = 64  # a forward of at most this many rows runs PyTorch's ops on one thread
+
+
+def step_threads(rows: int):
+    """The thread context for a forward of ``rows`` token rows: at most ``FEW_ROWS`` (decode, verify,
+    a batch of slots) → :func:`~gemmaspec.kernels.ops_on_one_thread` (the weight products keep every
+    thread, the small PyTorch ops run on one); more (a prefill chunk) → unchanged."""
+    return ops_on_one_thread() if rows <= FEW_ROWS else contextlib.nullcontext()
+
+
 def linear(w, x: torch.Tensor) -> torch.Tensor:
     """x float32 [..., K] @ W.T for a block-quantized weight (:class:`~gemmaspec.kernels.BlockWeight`) or a dense float32 [N, K] tensor."""
     if isinstance(w, BlockWeight):
@@ -50,8 +62,20 @@ def linear(w, x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in float32 (weight None: no scale)."""
-    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, float32 [..., D] → float32 [..., D]
+    (weight float32 [D], or None: no scale). On the CPU with the C kernel and no autograd, one call of
+    ``gs_rms_norm`` (qmatmul.c; D a multiple of 8); else ``torch.nn.functional.rms_norm``."""
+    d = x.shape[-1]
+    lib = load_library() if x.device.type == "cpu" and x.dtype == torch.float32 and d % 8 == 0 else None
+    plain_w = weight is None or (weight.dtype == torch.float32 and weight.is_contiguous() and weight.device == x.device
+                                 and not weight.requires_grad)
+    if lib is None or not plain_w or (x.requires_grad and torch.is_grad_enabled()):
+        return torch.nn.functional.rms_norm(x, (d,), weight, eps)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    lib.gs_rms_norm(x.data_ptr(), None if weight is None else weight.data_ptr(), x.numel() // d, d, eps,
+                    out.data_ptr())
+    return out
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: float = 1.0,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .config import Gemma3Config
 from ..kernels import SMALL_M, BlockWeight, StackedWeight
 from ..kv_cache import KVCache
-from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin
+from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin, step_threads
 
 
 def _fuse(parts):
@@ -159,7 +159,8 @@ class Gemma3Model:
         Raises:
             ValueError: the tokens would run past the cache's capacity.
         """
-        return self._run([(tokens, cache)], [all_logits], split_rows=False)[0]
+        with step_threads(tokens.shape[0]):
+            return self._run([(tokens, cache)], [all_logits], split_rows=False)[0]
 
     @torch.inference_mode()
     def forward_batch(self, seqs, all_logits=False) -> list[ForwardOutput]:
@@ -186,7 +187,8 @@ class Gemma3Model:
             raise ValueError(f"{len(flags)} all_logits flags for {len(seqs)} sequences")
         if len({id(cache) for _, cache in seqs}) != len(seqs):
             raise ValueError("forward_batch needs a distinct cache per sequence")
-        return self._run(seqs, flags, split_rows=True) if seqs else []
+        with step_threads(sum(tok.shape[0] for tok, _ in seqs)):
+            return self._run(seqs, flags, split_rows=True) if seqs else []
 
     def _run(self, seqs, flags, split_rows: bool) -> list[ForwardOutput]:
         c = self.config

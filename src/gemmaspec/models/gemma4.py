@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .config import Gemma4Config
 from ..kernels import BlockWeight
 from ..kv_cache import KVCache
-from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin
+from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin, step_threads
 
 
 def _lookup(table, ids: torch.Tensor) -> torch.Tensor:
@@ -226,6 +226,10 @@ class Gemma4Model:
         Returns:
             logits float32 [1 or T, vocab] (soft-capped), hidden float32 [T, hidden] after the final norm.
         """
+        with step_threads(tokens.shape[0]):
+            return self._forward(tokens, cache, all_logits)
+
+    def _forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool) -> ForwardOutput:
         c, w, eps = self.config, self.weights, self.config.rms_norm_eps
         t = tokens.shape[0]
         start = cache.length

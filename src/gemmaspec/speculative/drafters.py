@@ -10,6 +10,8 @@ from typing import Protocol
 
 import torch
 
+from ..kernels import ops_on_one_thread
+
 
 @dataclass
 class Draft:
@@ -247,7 +249,7 @@ class MTPDrafter:
         kv = self.target_kv(p)
         tok, h = ctx.tokens[-1], ctx.hidden
         drafts = []
-        with torch.inference_mode():
+        with torch.inference_mode(), ops_on_one_thread():
             for _ in range(n_max):
                 logits, h = self.assistant.step(self.target.embed_row(tok), h, p, kv)
                 tok = int(logits.argmax())
