@@ -193,6 +193,7 @@ def matmul_library(isa: str = "auto"):
         "gs_dequant_ids": [I, P, P, P, I, P, I, I, P],
         "gs_block_sums": [P, I, I, I, P],
         "gs_rms_norm": [P, P, I, I, ctypes.c_float, P],
+        "gs_norm_rope": [P, ctypes.c_long, I, I, I, P, I, P, P, P, ctypes.c_float, P],
     }
     for name, args in sigs.items():
         fn = getattr(lib, name)

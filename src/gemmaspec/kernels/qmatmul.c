@@ -157,6 +157,21 @@ static inline void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
     }
 }
 
+/* All 8 scales and mins of a Q4_K super-block (the 12 packed bytes at s) at once, with 32-bit word
+ * operations: the same values as q4_k_scale_min for j = 0..7. */
+static inline void q4_k_unpack(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t a0, a1, a2, t[4];
+    memcpy(&a0, s, 4);
+    memcpy(&a1, s + 4, 4);
+    memcpy(&a2, s + 8, 4);
+    t[0] = a0 & 0x3f3f3f3fu;                                        /* sc 0..3 */
+    t[1] = (a2 & 0x0f0f0f0fu) | (((a0 >> 6) & 0x03030303u) << 4);    /* sc 4..7 */
+    t[2] = a1 & 0x3f3f3f3fu;                                        /* min 0..3 */
+    t[3] = ((a2 >> 4) & 0x0f0f0f0fu) | (((a1 >> 6) & 0x03030303u) << 4); /* min 4..7 */
+    memcpy(sc, t, 8);
+    memcpy(mn, t + 2, 8);
+}
+
 /* Scale of group-block b of one stored row (G = 32 formats; Q6_K: b counts blocks of 16). */
 static inline float stored_scale(const int fmt, const uint8_t *w, int b) {
     switch (fmt) {
@@ -182,7 +197,7 @@ static inline int fmt_per_super(const int fmt) { return fmt == FMT_Q4_K ? 8 : fm
 /* Group-blocks unrolled together: Q6_K's 16 per super-block, so that their positions inside it are
  * compile-time constants (immediate shifts and offsets: a third fewer instructions); 1 elsewhere (the
  * gain for Q4_K is small and every unrolled format costs compile time). */
-static inline int fmt_unrolled(const int fmt) { return fmt == FMT_Q6_K ? 16 : 1; }
+static inline int fmt_unrolled(const int fmt) { return fmt == FMT_Q6_K ? 16 : fmt == FMT_Q4_K ? 8 : 1; }
 
 /* for each group-block b < nb, in order (see fmt_unrolled). */
 #define FOR_BLOCKS(fmt, nb, b)                                          \
@@ -195,11 +210,9 @@ static inline void super_scales(const int fmt, const uint8_t *w, int sb, float k
     if (fmt == FMT_Q4_K) {
         const uint8_t *blk = w + (long)sb * Q4_K_BYTES;
         const float d = f16_to_f32(blk);
-        for (int j = 0; j < 8; j++) {
-            int sc, m;
-            q4_k_scale_min(blk + 4, j, &sc, &m);
-            ks[j] = d * (float)sc;
-        }
+        uint8_t sc[8], mn[8];
+        q4_k_unpack(blk + 4, sc, mn);
+        for (int j = 0; j < 8; j++) ks[j] = d * (float)sc[j];
     } else if (fmt == FMT_Q6_K) {
         const uint8_t *blk = w + (long)sb * Q6_K_BYTES;
         const float d = f16_to_f32(blk + 208);
@@ -268,9 +281,12 @@ static void offsets_term(const int fmt, const void *w, const float *o, int nb, c
     if (fmt == FMT_Q4_K && M <= 8) { /* the offsets of a super-block decoded once for all rows of x */
         float acc[8] = {0};
         for (int sb = 0; sb < nb / 8; sb++) {
-            float ob[8];
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) ob[j] = block_offset(FMT_Q4_K, w, NULL, sb * 8 + j);
+            float ob[8]; /* block_offset(FMT_Q4_K, w, NULL, sb * 8 + j), all 8 decoded at once */
+            const uint8_t *blk = (const uint8_t *)w + (long)sb * Q4_K_BYTES;
+            const float dmin = f16_to_f32(blk + 2);
+            uint8_t sc[8], mn[8];
+            q4_k_unpack(blk + 4, sc, mn);
+            for (int j = 0; j < 8; j++) ob[j] = -(dmin * (float)mn[j]);
             for (int m = 0; m < M; m++)
                 for (int j = 0; j < 8; j++) acc[m] += ob[j] * xsum[(long)m * nb + sb * 8 + j];
         }
@@ -984,5 +1000,35 @@ void gs_rms_norm(const float *x, const float *w, int rows, int d, float eps, flo
             for (int i = 0; i < d; i++) o[i] = (xr[i] * inv) * w[i];
         else
             for (int i = 0; i < d; i++) o[i] = xr[i] * inv;
+    }
+}
+
+/* Per-head RMSNorm, then rotate-half RoPE, for the query and key heads of n rows (Gemma's q_norm/k_norm
+ * before RoPE; transformers' apply_rotary_pos_emb layout). x: row r at x + r * ldx holds `heads` heads
+ * of d values (the query heads, then the key heads: adjacent in a fused q|k|v projection); heads below
+ * first_heads are scaled by w_first [d], the rest by w_rest [d]. cos, sin [n, d]. out [n, heads, d]:
+ * y = x_head * (1 / sqrt(mean(x_head^2) + eps)) * w (the sum of squares in gs_rms_norm's lane order),
+ * then out_i = y_i * cos_i + (-y_{i+d/2}) * sin_i for i < d/2 and y_i * cos_i + y_{i-d/2} * sin_i after:
+ * the operations of x * cos + rotate_half(x) * sin, so the same bits as PyTorch's ops, row by row. */
+void gs_norm_rope(const float *x, long ldx, int n, int heads, int d, const float *w_first, int first_heads,
+                  const float *w_rest, const float *cos, const float *sin, float eps, float *out) {
+    const int half = d / 2;
+    float y[1024];
+    if (d > 1024 || d % 8) return;
+    for (int r = 0; r < n; r++) {
+        const float *c = cos + (long)r * d, *s = sin + (long)r * d;
+        for (int h = 0; h < heads; h++) {
+            const float *xh = x + (long)r * ldx + (long)h * d;
+            const float *w = h < first_heads ? w_first : w_rest;
+            float *o = out + ((long)r * heads + h) * d;
+            float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int i = 0; i < d; i += 8)
+                for (int j = 0; j < 8; j++) a[j] += xh[i + j] * xh[i + j];
+            const float ss = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+            const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+            for (int i = 0; i < d; i++) y[i] = (xh[i] * inv) * w[i];
+            for (int i = 0; i < half; i++) o[i] = y[i] * c[i] + (-y[i + half]) * s[i];
+            for (int i = half; i < d; i++) o[i] = y[i] * c[i] + y[i - half] * s[i];
+        }
     }
 }

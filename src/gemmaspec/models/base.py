@@ -78,6 +78,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return out
 
 
+def norm_rope(x: torch.Tensor, heads_first: int, heads_rest: int, d: int, w_first: torch.Tensor,
+              w_rest: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm then rotate-half RoPE for the query and key heads of a fused projection.
+
+    Args:
+        x: float32 [T, >= (heads_first + heads_rest) * d]: each row starts with heads_first heads of d
+            values (the queries), then heads_rest (the keys); more columns (the values) are left alone.
+        w_first, w_rest: float32 [d], the norm weights of the first heads and of the rest.
+        cos, sin: float32 [T, d] (:func:`rope_cos_sin`).
+
+    Returns:
+        float32 [T, heads_first + heads_rest, d]: ``apply_rope(rms_norm(head, w), cos, sin)`` for each
+        head. On the CPU with the C kernel, one call of ``gs_norm_rope`` (qmatmul.c; the same operations
+        as the PyTorch ops, row by row); else those ops.
+    """
+    t, heads = x.shape[0], heads_first + heads_rest
+    lib = load_library() if x.device.type == "cpu" and d % 8 == 0 and d <= 1024 else None
+    plain = all(a.dtype == torch.float32 and a.is_contiguous() and not a.requires_grad
+                for a in (w_first, w_rest, cos, sin)) and x.dtype == torch.float32 and x.stride(-1) == 1
+    if lib is None or not plain or (x.requires_grad and torch.is_grad_enabled()):
+        q = rms_norm(x[:, :heads_first * d].reshape(t, heads_first, d), w_first, eps)
+        k = rms_norm(x[:, heads_first * d:heads * d].reshape(t, heads_rest, d), w_rest, eps)
+        return torch.cat([apply_rope(q, cos, sin), apply_rope(k, cos, sin)], dim=1)
+    out = torch.empty(t, heads, d, dtype=torch.float32)
+    lib.gs_norm_rope(x.data_ptr(), x.stride(0), t, heads, d, w_first.data_ptr(), heads_first, w_rest.data_ptr(),
+                     cos.data_ptr(), sin.data_ptr(), eps, out.data_ptr())
+    return out
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: float = 1.0,
                  rotary_dim: int | None = None):
     """cos/sin float32 [T, head_dim] for rotate-half RoPE (transformers ``rotate_half`` layout).

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .config import Gemma3Config
 from ..kernels import SMALL_M, BlockWeight, StackedWeight
 from ..kv_cache import KVCache
-from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin, step_threads
+from .base import ForwardOutput, apply_rope, attention, linear, norm_rope, rms_norm, rope_cos_sin, step_threads
 
 
 def _fuse(parts):
@@ -215,16 +215,16 @@ class Gemma3Model:
                  for s, (tok, cache) in zip(starts, seqs)]
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, eps)
+            cos, sin = rope[layer.sliding]
             if layer.qkv is not None:
                 qkv = lin(layer.qkv, h)
-                q, k, v = qkv.split([h_q * d, h_kv * d, h_kv * d], dim=-1)
+                qk = norm_rope(qkv, h_q, h_kv, d, layer.q_norm, layer.k_norm, cos, sin, eps)
+                q, k, v = qk[:, :h_q], qk[:, h_q:], qkv[:, (h_q + h_kv) * d:].reshape(n, h_kv, d)
             else:
                 q, k, v = lin(layer.q, h), lin(layer.k, h), lin(layer.v, h)
-            q = rms_norm(q.reshape(n, h_q, d), layer.q_norm, eps)
-            k = rms_norm(k.reshape(n, h_kv, d), layer.k_norm, eps)
-            v = v.reshape(n, h_kv, d)
-            cos, sin = rope[layer.sliding]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                q = apply_rope(rms_norm(q.reshape(n, h_q, d), layer.q_norm, eps), cos, sin)
+                k = apply_rope(rms_norm(k.reshape(n, h_kv, d), layer.k_norm, eps), cos, sin)
+                v = v.reshape(n, h_kv, d)
             parts = []
             for j, (_, cache) in enumerate(seqs):
                 a0, a1 = bounds[j], bounds[j + 1]
