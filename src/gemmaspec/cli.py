@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("-t", "--threads", type=int, default=None, help="threads for packing (all cores)")
     q.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
+    from .training.cli import add_parsers as _training_parsers
+
+    _training_parsers(sub)
     v = sub.add_parser("verify", help="check a quantized GGUF against its source, tensor by tensor (exit 0/1)",
                        allow_abbrev=False)
     v.add_argument("out", metavar="OUT.gguf", help="the file written by gemmaspec quantize")
@@ -343,6 +346,10 @@ def main(argv=None) -> int:
             return serve(args)
         if args.command == "quantize":
             return _cmd_quantize(args)
+        if args.command in ("train-drafter", "eval-drafter"):
+            from .training import cli as training_cli
+
+            return training_cli.run_train(args) if args.command == "train-drafter" else training_cli.run_eval(args)
         if args.command == "verify":
             return _cmd_verify(args)
         return _cmd_inspect(args)

@@ -324,12 +324,17 @@ class Gemma4AssistantConfig:
         text: the assistant's layers (all query-only: every layer reads the target's KV cache).
         backbone_hidden_size: the target's width (``embedding_length_out`` in GGUF).
         num_centroids, centroid_top_k: the clustered head (``use_ordered_embeddings``); 0 = full head.
+        draft_vocab_size: rows of a reduced-vocabulary head (gemmaspec's trained assistants: the
+            target's most frequent tokens, mapped back to target ids by the ``draft_token_map``
+            tensor); 0 = the head covers the whole vocabulary (``text.vocab_size`` is always the
+            target's vocabulary).
     """
 
     text: Gemma4Config
     backbone_hidden_size: int
     num_centroids: int = 0
     centroid_top_k: int = 0
+    draft_vocab_size: int = 0
     architecture: str = "gemma4-assistant"
 
     @property
@@ -362,9 +367,14 @@ class Gemma4AssistantConfig:
         """
         text = Gemma4Config.from_gguf(meta)
         clustered = "masked_embd_ordering" in meta.tensor_shapes
+        draft_vocab = 0
+        if "draft_token_map" in meta.tensor_shapes:  # a reduced head: the target's vocabulary is a key
+            draft_vocab = int(meta.tensor_shapes["draft_token_map"][0])
+            text = dataclasses.replace(text, vocab_size=int(meta.require("target_vocab_size")))
         return cls(text=text, backbone_hidden_size=int(meta.require("embedding_length_out")),
                    num_centroids=int(meta.arch_get("num_centroids", 2048)) if clustered else 0,
-                   centroid_top_k=int(meta.arch_get("centroid_top_k", 32)) if clustered else 0)
+                   centroid_top_k=int(meta.arch_get("centroid_top_k", 32)) if clustered else 0,
+                   draft_vocab_size=draft_vocab)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Gemma4AssistantConfig":

@@ -137,10 +137,12 @@ class Gemma3Model:
         c = self.config
         return {t: (i, c.num_kv_heads, c.head_dim) for i, t in enumerate(c.layer_types)}
 
-    def new_cache(self, capacity: int, max_rollback: int = 16) -> KVCache:
-        """An empty KV cache for up to ``capacity`` positions (see :class:`KVCache`)."""
+    def new_cache(self, capacity: int, max_rollback: int = 16, ring: bool = True) -> KVCache:
+        """An empty KV cache for up to ``capacity`` positions (see :class:`KVCache`); ``ring=False``
+        keeps every position of the sliding-window layers too (row = position; drafter training reads
+        them by position)."""
         c = self.config
-        windows = [c.sliding_window if t == "sliding" else None for t in c.layer_types]
+        windows = [c.sliding_window if t == "sliding" and ring else None for t in c.layer_types]
         return KVCache(windows, capacity, c.num_kv_heads, c.head_dim, max_rollback, device=self.device)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -186,9 +186,10 @@ class Gemma4Model:
                                           "pre_ffw_norm_2.weight")]
         return names
 
-    def new_cache(self, capacity: int, max_rollback: int = 16) -> KVCache:
+    def new_cache(self, capacity: int, max_rollback: int = 16, ring: bool = True) -> KVCache:
+        """An empty KV cache (``ring=False``: sliding layers keep every position, row = position)."""
         c = self.config
-        windows = [c.sliding_window if t == "sliding" else None for t in c.layer_types]
+        windows = [c.sliding_window if t == "sliding" and ring else None for t in c.layer_types]
         shapes = [(c.layer_kv_heads(i), c.layer_head_dim(i)) if self.kv_source[i] == i else None
                   for i in range(c.num_layers)]
         return KVCache(windows, capacity, c.num_kv_heads, c.head_dim, max_rollback, device=self.device, shapes=shapes)

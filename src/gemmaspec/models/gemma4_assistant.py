@@ -18,6 +18,11 @@ positions 0..p-1 (the last token at p has not been run by the target yet).
 Clustered head (``use_ordered_embeddings``): score ``num_centroids`` centroids, keep the top
 ``centroid_intermediate_top_k`` clusters of ``vocab / num_centroids`` tokens each (given by
 ``token_ordering``), and score only those tokens; all others get the lowest score minus 1.
+
+Reduced head (gemmaspec's trained assistants, ``gemmaspec train-drafter``): the head has one row per
+token of a draft vocabulary, ``draft_token_map`` (int [N]) gives each row's target token id; every
+other token gets the lowest score minus 1. llama.cpp's ``draft-mtp`` cannot load this form (it expects
+a head over the whole vocabulary).
 """
 
 from __future__ import annotations
@@ -70,6 +75,14 @@ class Gemma4Assistant:
             if name in weights:
                 weights[name] = weights[name].reshape(1)
         self.head = weights.get("output.weight", weights.get("token_embd.weight"))
+        self.token_map = weights.get("draft_token_map")
+        if self.token_map is not None:
+            self.token_map = self.token_map.long().reshape(-1)
+            if self.token_map.shape[0] != self.head.shape[0]:
+                raise ValueError(f"draft_token_map has {self.token_map.shape[0]} entries for a head of "
+                                 f"{self.head.shape[0]} rows")
+            if int(self.token_map.min()) < 0 or int(self.token_map.max()) >= config.vocab_size:
+                raise ValueError(f"draft_token_map holds ids outside the target vocabulary of {config.vocab_size}")
 
     def to(self, device) -> "Gemma4Assistant":
         """The same assistant with every weight on ``device``."""
@@ -81,7 +94,8 @@ class Gemma4Assistant:
 
     @property
     def vocab_size(self) -> int:
-        return self.head.shape[0]
+        """The vocabulary the drafts are in: the target's (a reduced head maps into it)."""
+        return self.full_config.vocab_size if self.token_map is not None else self.head.shape[0]
 
     def head_dims(self) -> dict:
         """Per layer type the head dim its queries use: what the target's cache must match."""
@@ -89,7 +103,13 @@ class Gemma4Assistant:
         return {c.layer_types[i]: c.layer_head_dim(i) for i in range(c.num_layers)}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 [V] scores for hidden float32 [H] (full tied head, or the clustered head)."""
+        """float32 [V] scores for hidden float32 [H] (full tied head, the clustered head, or a reduced
+        head mapped into the target's vocabulary)."""
+        if self.token_map is not None:
+            scores = linear(self.head, hidden[None])[0]
+            out = torch.full((self.vocab_size,), float(scores.min()) - 1.0, dtype=hidden.dtype, device=hidden.device)
+            out[self.token_map] = scores
+            return out
         if not self.clustered:
             return linear(self.head, hidden[None])[0]
         n_c, top_k = self.clustered

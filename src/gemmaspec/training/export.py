@@ -1,0 +1,81 @@
+"""Write a trained assistant as a ``gemma4-assistant`` GGUF that gemmaspec loads as a ``draft-mtp`` drafter.
+
+Metadata as llama.cpp's converter writes for Google's assistants (the text keys of
+:func:`gemmaspec.loading.convert._add_text_params`, ``embedding_length_out``, ``nextn_predict_layers``,
+a ``rope_freqs`` tensor marking the rotated frequencies), plus what a reduced head needs and llama.cpp
+does not know: the ``draft_token_map`` tensor (I32 [N], the target id of each head row) and the key
+``gemma4-assistant.target_vocab_size``. No tokenizer: the assistant drafts in its target's vocabulary
+and gemmaspec takes the tokenizer from the target.
+
+Types: norms and the map as stored (F32, I32); matrices ``q4_0`` (the weights must already lie on the
+Q4_0 grid: QAT; every block is checked to round-trip bit-exactly, else the export fails), ``q8_0``,
+``f16`` or ``f32``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from ..errors import InputError
+from ..loading.convert import _add_text_params, _rope_freqs
+from ..loading.gguf_out import StreamingGGUF, encode_rows
+from ..models.config import Gemma4AssistantConfig
+
+T = gguf.GGMLQuantizationType
+TYPES = {"q4_0": T.Q4_0, "q8_0": T.Q8_0, "f16": T.F16, "f32": T.F32}
+FILE_TYPES = {T.Q4_0: 2, T.Q8_0: 7, T.F16: 1, T.F32: 0}
+
+
+def export_gguf(config: Gemma4AssistantConfig, weights: dict[str, torch.Tensor], out: str | Path,
+                outtype: str = "q8_0", name: str = "gemmaspec assistant", force: bool = True) -> dict:
+    """Write ``weights`` (GGUF names → float32 tensors; ``draft_token_map`` int) to ``out``.
+
+    Returns:
+        ``{"bytes": file size, "types": {type name: tensor count}}``.
+
+    Raises:
+        InputError: unknown ``outtype``; ``q4_0`` for weights that are not on the Q4_0 grid.
+    """
+    if outtype not in TYPES:
+        raise InputError(f"drafter export type must be one of {', '.join(TYPES)} (got {outtype})")
+    qtype = TYPES[outtype]
+    c = config.text
+    types: dict[str, int] = {}
+    with StreamingGGUF(out, "gemma4-assistant", force) as s:
+        tensors = [("rope_freqs.weight", torch.from_numpy(_rope_freqs(c)))] + sorted(weights.items())
+        for tname, t in tensors:
+            if tname == "draft_token_map":
+                kind, data = T.I32, t.to(torch.int32).numpy()
+            elif t.dim() == 2 and t.shape[1] % 32 == 0:
+                kind = qtype
+                arr = t.detach().float().numpy()
+                data = encode_rows(arr, kind)
+                if kind == T.Q4_0:
+                    back = gguf.quants.dequantize(data, kind).reshape(arr.shape)
+                    if not np.array_equal(back, arr):
+                        bad = int((back != arr).sum())
+                        raise InputError(f"{tname}: {bad} of {arr.size} values are not on the Q4_0 grid; train with "
+                                         "--qat q4_0 to export q4_0, or export q8_0")
+            else:
+                kind, data = T.F32, t.detach().float().numpy()
+            s.begin(tname, tuple(t.shape), kind)
+            s.write(data)
+            s.end()
+            types[kind.name] = types.get(kind.name, 0) + 1
+        n_ff = [c.intermediate_size] * c.num_layers
+
+        def meta(w: gguf.GGUFWriter) -> None:
+            w.add_name(name)
+            w.add_file_type(FILE_TYPES[qtype])
+            _add_text_params(w, c, n_ff)
+            w.add_embedding_length_out(config.backbone_hidden_size)
+            w.add_nextn_predict_layers(c.num_layers)
+            w.add_uint32("gemma4-assistant.target_vocab_size", c.vocab_size)
+            w.add_bool("tokenizer.ggml.add_bos_token", True)
+
+        size = s.finish(meta)
+    return {"bytes": size, "types": types}
