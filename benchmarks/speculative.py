@@ -18,7 +18,7 @@ import sys
 from common import llama_python, machine, median, write_results
 
 from gemmaspec.engine import RequestStats
-from gemmaspec.loader import load_drafter, load_engine
+from gemmaspec.loader import load_drafter, load_engine, shipped_assistant
 from gemmaspec.loading.default_model import default_model_path
 from gemmaspec.sampling import SamplingParams
 
@@ -68,6 +68,9 @@ def main():
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--mtp", default="default",
+                    help="MTP assistant GGUF for the draft-mtp columns ('default': the one shipped for the default "
+                         "model, when the target is the default model; 'none': no MTP columns)")
     a = ap.parse_args()
     model = a.model or str(default_model_path())
     engine = load_engine(model, ctx_size=2048, device="cpu", threads=a.threads)
@@ -75,9 +78,13 @@ def main():
     configs.append(("ngram auto", "ngram-simple", "auto"))
     if a.model_draft:
         configs += [(f"draft n={n}", "draft-simple", n) for n in (2, 3)]
+    mtp = None if a.mtp == "none" else (shipped_assistant(model) if a.mtp == "default" else a.mtp)
+    if mtp:
+        configs += [(f"mtp n={n}", "draft-mtp", n) for n in (1, 2, 3, 4)] + [("mtp auto", "draft-mtp", "auto")]
     drafters = {}
     for name, st, _ in configs:
-        drafters[name] = load_drafter(st, engine, a.model_draft if st == "draft-simple" else None)
+        drafters[name] = load_drafter(st, engine, a.model_draft if st == "draft-simple" else mtp if st == "draft-mtp"
+                                      else None)
     params = SamplingParams(temperature=0, max_tokens=a.n, ignore_eos=True)
     engine.forward_costs()
     results, lines = {}, []
@@ -104,6 +111,12 @@ def main():
             print(kind, {n: round(median([r["decode_tps"] for r in runs[n]]), 1) for n in names}, file=sys.stderr, flush=True)
         results[kind] = {"prompts": per_prompt, "summary": _summary(per_prompt, names)}
     results["mixed (all 15)"] = {"summary": _summary([p for k in PROMPTS for p in results[k]["prompts"]], names)}
+    if mtp:
+        results["mtp_step"] = mtp_step_cost(engine, drafters["mtp n=3"], params)
+        lines.append(f"MTP assistant {os.path.basename(mtp)}: one draft step {results['mtp_step']['step_ms']:.2f} ms "
+                     f"= {results['mtp_step']['fraction_of_target_step']:.3f} of a target decode step "
+                     f"({results['mtp_step']['target_step_ms']:.1f} ms); weights {results['mtp_step']['weights_mib']:.1f} MiB.")
+        lines.append("")
     cols = names + ([] if a.no_llama else ["llama.cpp plain"])
     lines.append(f"Machine: {machine()['cpu']}, {machine()['cores']} cores; {a.threads} threads; greedy; {a.n} tokens "
                  f"(EOS ignored); three prompts per kind, each run {a.repeats} times (configurations taking turns); "
@@ -112,6 +125,8 @@ def main():
                  "last column: auto against the best fixed n-max of that row.")
     lines += ["", "| text kind | " + " | ".join(cols) + " | auto / best fixed |", "|---|" + "---:|" * (len(cols) + 1)]
     for kind, res in results.items():
+        if "summary" not in res:
+            continue
         sm = res["summary"]
         base = sm["plain"]["tps"]
         cells = []
@@ -127,6 +142,39 @@ def main():
         lines.append(f"| {kind} | " + " | ".join(cells) + f" | {sm['ngram auto']['tps'] / best:.3f} |")
     write_results("speculative", {"machine": machine(), "settings": vars(a) | {"model": model}, "results": results},
                   "\n".join(lines))
+
+
+def mtp_step_cost(engine, drafter, params) -> dict:
+    """Median wall time of one assistant draft step (``assistant.step``) during a greedy run, against
+    the median target decode step of a plain run on the same prompt; the assistant's weight bytes."""
+    import time
+
+    asst = drafter.assistant
+    times = []
+    orig = asst.step
+
+    def timed(*args, **kw):
+        t = time.perf_counter()
+        r = orig(*args, **kw)
+        times.append(time.perf_counter() - t)
+        return r
+
+    ids = engine.tokenizer.encode(PROMPTS["prose"][0])
+    asst.step = timed
+    try:
+        st = RequestStats()
+        for _ev in engine.generate(ids, params, drafter, 3, st):
+            pass
+    finally:
+        del asst.step
+    plain = RequestStats()
+    for _ev in engine.generate(ids, params, None, 0, plain):
+        pass
+    step = median(times) * 1e3
+    target = plain.decode_ms / max(1, plain.generated_tokens - 1)
+    nbytes = sum(int(getattr(w, "nbytes", 0)) for w in asst.weights.values())
+    return {"step_ms": step, "target_step_ms": target, "fraction_of_target_step": step / target,
+            "weights_mib": nbytes / 2**20}
 
 
 def _summary(per_prompt: list, names: list) -> dict:

@@ -10,7 +10,7 @@ from gemmaspec.engine import Engine, RequestStats
 from gemmaspec.loading import load_checkpoint
 from gemmaspec.sampling import SamplingParams
 from gemmaspec.speculative.drafters import DraftContext, MTPDrafter, check_mtp_pair
-from gemmaspec.training.export import export_gguf
+from gemmaspec.loading.assistant_gguf import export_gguf
 from gemmaspec.training.teacher import Chunk, build_chunks
 from gemmaspec.training.train import TrainSettings, train
 

@@ -80,7 +80,7 @@ def run_train(args) -> int:
     from ..loading.default_model import default_model_path
     from ..paths import cache_home
     from .corpus import SELF_PROMPTS, build_corpus, held_out_texts, self_generated
-    from .export import export_gguf
+    from ..loading.assistant_gguf import export_gguf
     from .teacher import build_chunks, chunk_dir
     from .train import TrainSettings, train
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .assistant import TrainableAssistant, assistant_config
+from ..loading.assistant_gguf import new_trainable_assistant
 from .teacher import Chunk
 
 
@@ -101,7 +101,7 @@ class Batch:
             self.labels.append((d.clamp(min=0), prob / mass.clamp(min=1e-12), mass[:, 0] > 0,
                                 to_draft[ids[:, 0]]))
 
-    def run(self, model: TrainableAssistant, k: int):
+    def run(self, model, k: int):
         """Per step: (logits [P, N], soft-label ids [P, TOP_K], weights, valid, greedy draft id)."""
         x = self.emb[self.p]
         h = self.hidden[self.p - 1]
@@ -123,7 +123,7 @@ def loss_of(outs) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: TrainableAssistant, batches: list[Batch], k: int) -> dict:
+def evaluate(model, batches: list[Batch], k: int) -> dict:
     """Teacher-forced draft quality on held-out chunks: per step the fraction of positions whose
     draft (the head's argmax) equals the target's greedy token, and the mean accepted length of a
     round of k drafts (1 + the number of leading steps all right; the bonus token included)."""
@@ -156,7 +156,7 @@ def save_checkpoint(path: Path, model, opt, settings: TrainSettings, step: int, 
 
 def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSettings, resume: bool = False,
           progress: bool = True, log=print, stop_after: int | None = None,
-          max_seconds: float | None = None) -> tuple[TrainableAssistant, list]:
+          max_seconds: float | None = None) -> tuple:
     """Train (or continue) an assistant for ``target`` on the teacher chunks; checkpoints go to
     ``out_dir/ckpt.pt``. Returns the model and the history (one dict per step).
 
@@ -179,9 +179,8 @@ def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSetting
     train_chunks, held = chunks[:len(chunks) - n_held], chunks[len(chunks) - n_held:]
     vocab = target.config.vocab_size
     token_map = ckpt["token_map"] if ckpt is not None else choose_draft_vocab(train_chunks, settings.draft_vocab, vocab)
-    cfg = assistant_config(target.config, settings.width, settings.layers, settings.heads, settings.ffn,
-                           int(token_map.numel()))
-    model = TrainableAssistant(cfg, token_map, seed=settings.seed)
+    model = new_trainable_assistant(target.config, token_map, settings.width, settings.layers, settings.heads,
+                                    settings.ffn, settings.seed)
     if settings.qat == "q4_0":
         from .qat import fake_quant_q4_0
 

@@ -3,7 +3,7 @@
 The same computation as :meth:`gemmaspec.models.gemma4_assistant.Gemma4Assistant.step` (the runtime
 path ``--spec-type draft-mtp`` uses), written for training: many draft positions of one text chunk at
 once, all attending over the target's K/V of that chunk. Its weights use the GGUF names the runtime
-reads, so :mod:`gemmaspec.training.export` writes them as they are and the exported file drafts
+reads, so :mod:`gemmaspec.loading.assistant_gguf` writes them as they are and the exported file drafts
 exactly what this module computes (tested).
 
 One draft step for the positions p of a chunk (reference: transformers ``Gemma4AssistantForCausalLM``
@@ -22,8 +22,8 @@ import math
 import torch
 from torch import nn
 
-from ..models.base import apply_rope, rope_cos_sin
-from ..models.config import Gemma4AssistantConfig
+from .base import apply_rope, rope_cos_sin
+from .config import Gemma4AssistantConfig
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -144,7 +144,7 @@ def assistant_config(target_config, width: int = 256, layers: int = 4, heads: in
     Raises:
         ValueError: the target lacks sliding or full layers.
     """
-    from ..models.config import Gemma4Config
+    from .config import Gemma4Config
 
     t = target_config
     types = tuple(getattr(t, "layer_types", ()))

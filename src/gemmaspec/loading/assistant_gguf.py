@@ -1,4 +1,9 @@
-"""Write a trained assistant as a ``gemma4-assistant`` GGUF that gemmaspec loads as a ``draft-mtp`` drafter.
+"""Trainable assistants for a target, and their GGUF: what ``gemmaspec train-drafter`` builds and writes.
+
+:func:`new_trainable_assistant` makes the assistant architecture drafter training uses (today the
+Gemma 4 assistant, :mod:`gemmaspec.models.gemma4_assistant_train`) sized for a target;
+:func:`export_gguf` writes one as a ``gemma4-assistant`` GGUF that gemmaspec loads as a ``draft-mtp``
+drafter.
 
 Metadata as llama.cpp's converter writes for Google's assistants (the text keys of
 :func:`gemmaspec.loading.convert._add_text_params`, ``embedding_length_out``, ``nextn_predict_layers``,
@@ -21,13 +26,26 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..loading.convert import _add_text_params, _rope_freqs
-from ..loading.gguf_out import StreamingGGUF, encode_rows
 from ..models.config import Gemma4AssistantConfig
+from ..models.gemma4_assistant_train import TrainableAssistant, assistant_config
+from .convert import _add_text_params, _rope_freqs
+from .gguf_out import StreamingGGUF, encode_rows
 
 T = gguf.GGMLQuantizationType
 TYPES = {"q4_0": T.Q4_0, "q8_0": T.Q8_0, "f16": T.F16, "f32": T.F32}
 FILE_TYPES = {T.Q4_0: 2, T.Q8_0: 7, T.F16: 1, T.F32: 0}
+
+
+def new_trainable_assistant(target_config, token_map: torch.Tensor, width: int = 256, layers: int = 4,
+                            heads: int = 4, ffn: int = 1024, seed: int = 0) -> TrainableAssistant:
+    """A freshly initialised trainable assistant for a target with config ``target_config`` (Gemma 3
+    or Gemma 4), its head covering the target ids ``token_map`` (int64 [N]).
+
+    Raises:
+        ValueError: the target lacks the attention layer types an assistant reads.
+    """
+    cfg = assistant_config(target_config, width, layers, heads, ffn, int(token_map.numel()))
+    return TrainableAssistant(cfg, token_map, seed=seed)
 
 
 def export_gguf(config: Gemma4AssistantConfig, weights: dict[str, torch.Tensor], out: str | Path,
