@@ -18,27 +18,22 @@ programs (benchmarks running llama.cpp) can hand those programs the user's own e
 
 
 def _wait_policy() -> None:
-    """Make OpenMP threads sleep, not spin, while they wait: set ``OMP_WAIT_POLICY=passive`` unless the
-    user has set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (their choice always wins).
+    """Make PyTorch's OpenMP threads sleep, not spin, while they wait: set ``OMP_WAIT_POLICY=passive``
+    unless the user has set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (their choice always wins).
 
-    Why: a decode step of the default model runs ~95 parallel regions (four kernel calls per layer, the
-    head, a few PyTorch ops), and between two of them a waiting libgomp thread spins by default for up to
-    300,000 ``pause``s (6-10 ms on this Xeon) before it sleeps. On an idle core that is free and saves a
-    wake-up; but when another process wants the CPU, each spin is taken from the thread the team waits
-    for or from that process, once per region. So the spin that helps on an idle machine is what makes
-    decode collapse under load, and OpenMP reads the setting once, at start, while load can appear at
-    any time. ``benchmarks/kernel_paths.py`` (results/wait_policy.md; 2-core KVM Xeon shared with other
-    jobs that kept about one core busy, default model, greedy, medians of 3 fresh processes): passive
-    19.8 tokens/s, with one more busy process 9.7; ``GOMP_SPINCOUNT`` 1k 14.7 / 10.9, 3k 18.1 / 10.1,
-    10k 11.5 / 7.1, 30k 6.1 / 3.8, 300k (libgomp's default) 1.3 / 1.0, active 2.7 / 0.8. No bounded spin
-    did measurably better than none under load, and every longer one did worse. The price: on a machine
-    with nothing else running, spinning is faster (one clean-ish sample: 300k 35 tokens/s, passive 18).
+    Why: PyTorch's ops run on an OpenMP team during prefill, and between two parallel regions a waiting
+    libgomp thread spins by default for up to 300,000 ``pause``s (6-10 ms on this project's Xeon). On
+    an idle core that is free; when another process wants the CPU, the spin is taken from it, or from
+    the thread the team waits for, once per region, and OpenMP reads the setting once at start while
+    load can appear at any time. (Measured when the C kernel still ran on OpenMP, 2-core Xeon, default
+    model: passive 19.8 tokens/s, with one more busy process 9.7; libgomp's default 1.3 / 1.0; active
+    2.7 / 0.8.) The decode path no longer depends on it: the kernel has its own pool (``kernels/pool.h``)
+    and a decode step runs PyTorch's small ops on one thread (``kernels.ops_on_one_thread``).
 
-    ``OMP_WAIT_POLICY`` is the OpenMP standard's variable, so it reaches whichever runtimes the process
-    loads: PyTorch's libgomp (LLVM's libomp in some builds) and the system libgomp the C kernel links
-    (here one library: the kernel's ``libgomp.so.1`` resolves to the one PyTorch already loaded). It
-    takes effect only when gemmaspec is imported before torch (the ``gemmaspec`` command and every module
-    of this package do; ``import torch`` first in your own program leaves torch's runtime as it started)."""
+    ``OMP_WAIT_POLICY`` is the OpenMP standard's variable, so it reaches whichever runtime PyTorch
+    loads. It takes effect only when gemmaspec is imported before torch (the ``gemmaspec`` command and
+    every module of this package do; ``import torch`` first in your own program leaves torch's runtime
+    as it started)."""
     if "OMP_WAIT_POLICY" in _os.environ or "GOMP_SPINCOUNT" in _os.environ:
         if _os.environ.get("OMP_WAIT_POLICY") != SET_ENV.get("OMP_WAIT_POLICY"):
             SET_ENV.pop("OMP_WAIT_POLICY", None)  # the user's own value now

@@ -74,7 +74,9 @@ def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", th
         raise InputError(f"-c {ctx} exceeds the model's context of {loaded.config.context_length} tokens")
     if ctx < 2:
         raise InputError(f"-c must be at least 2 (got {ctx})")
-    return Engine(loaded.model, loaded.tokenizer, ctx)
+    engine = Engine(loaded.model, loaded.tokenizer, ctx)
+    engine.model_path = loaded.path  # what the shipped-assistant lookup matches
+    return engine
 
 
 def load_drafter(spec_type: str | None, engine: Engine, draft_model: str | None = None, p_min: float = 0.0,
@@ -157,8 +159,16 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
         raise InputError(f"--spec-draft-p-min must be in [0, 1] (got {p_min})")
     if spec_type not in (None, "draft-simple", "draft-mtp") and draft_model:
         raise InputError(f"-md is used by --spec-type draft-simple or draft-mtp, not {spec_type}")
-    if spec_type is None and not draft_model:
-        spec_type = "ngram-simple"
+    if spec_type in (None, "default") and not draft_model:
+        entry = shipped_assistant_entry(getattr(engine, "model_path", None))
+        if entry and entry.get("default_spec") == "draft-mtp":
+            spec_type, draft_model = "draft-mtp", entry["path"]
+            print(f"speculation: draft-mtp with the assistant shipped for this model ({entry['file']}; "
+                  f"{entry.get('why', '')})", file=sys.stderr)
+        else:
+            if entry:
+                print(f"speculation: ngram-simple ({entry.get('why', '')})", file=sys.stderr)
+            spec_type = "ngram-simple"
     if spec_type == "none":
         return spec_type, lambda cache: NoDrafter()
     if spec_type == "ngram-simple":

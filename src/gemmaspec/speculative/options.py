@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from ..errors import InputError
 
-SPEC_TYPES = ("none", "ngram-simple", "draft-simple", "draft-mtp")
-"""Accepted ``--spec-type`` values: no drafting, n-gram prompt lookup, a separate draft model, the MTP assistant."""
+SPEC_TYPES = ("none", "ngram-simple", "draft-simple", "draft-mtp", "default")
+"""Accepted ``--spec-type`` values: no drafting, n-gram prompt lookup, a separate draft model, the MTP
+assistant, and ``default``: what gemmaspec ships as best for this model (``draft-mtp`` with the
+assistant shipped for it where that was measured faster, else ``ngram-simple``; see
+``gemmaspec.loader.drafter_factory``)."""
 
 MAX_DRAFT_TOKENS = 15
 """Largest draft length per round (``--spec-draft-n-max``): a verify forward then runs at most 16

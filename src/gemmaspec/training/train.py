@@ -174,7 +174,10 @@ def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSetting
         raise ValueError("no training chunks")
     ckpt = torch.load(ckpt_path, weights_only=False) if resume and ckpt_path.exists() else None
     if ckpt is not None:
-        settings = TrainSettings(**ckpt["settings"])
+        saved = TrainSettings(**ckpt["settings"])
+        # a resumed run keeps its settings, except a QAT stage and a longer schedule asked for now
+        # (fine-tuning a float run on the Q4_0 grid: --resume --qat q4_0 --steps MORE)
+        settings = dataclasses.replace(saved, qat=settings.qat or saved.qat, steps=max(saved.steps, settings.steps))
     n_held = max(1, int(len(chunks) * settings.held_out)) if len(chunks) > 1 else 0
     train_chunks, held = chunks[:len(chunks) - n_held], chunks[len(chunks) - n_held:]
     vocab = target.config.vocab_size
