@@ -65,6 +65,13 @@ def machine() -> dict:
             "python": platform.python_version(), "platform": platform.platform()}
 
 
+def bench_dir() -> Path:
+    """``$GEMMASPEC_HOME/bench``: the benchmarks' own venvs, wheels and converted models."""
+    d = cache_home() / "bench"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
 def llama_python(build: bool = True) -> Path | None:
     """Python of the llama-cpp-python venv, creating it (and building the wheel once) if needed; with
     ``build=False``, None when it is not installed yet (nothing is built)."""

@@ -15,8 +15,11 @@ that the script starts before the runs and stops after; ``--load both`` does the
 busy ones. llama.cpp runs through llama-cpp-python when its venv exists
 (``$GEMMASPEC_HOME/bench/llama-venv``); otherwise the script says so and measures gemmaspec alone,
 unless ``--build-llama`` is given (builds it from source once, about 16 minutes on 2 cores).
+``--threads 1,2`` measures each thread count in turn; ``--all-q4_0`` adds an all-Q4_0 conversion of the
+model (every matrix, token embedding and head included), made once by llama.cpp's own quantizer through
+llama-cpp-python (``llama_quantize.py``) and cached in ``$GEMMASPEC_HOME/bench``.
 
-    python benchmarks/decode.py [--model PATH] [--threads N] [--n 128] [--repeats 3]
+    python benchmarks/decode.py [--model PATH] [--threads N[,N...]] [--all-q4_0] [--n 128] [--repeats 3]
                                 [--load quiet|busy|both] [--prompts code,prose,qa] [--no-llama] [--build-llama]
 
 Writes benchmarks/results/decode.json (machine: CPU model and SIMD flags) and decode.md.
@@ -28,6 +31,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 
 from common import PROMPTS, busy_process, llama_python, machine, median, read_bandwidth, run_cold, write_results
@@ -102,10 +106,32 @@ def measure(py, model, prompts, n, threads, repeats) -> dict:
     return raw
 
 
+def all_q4_0(py, model) -> str:
+    """Path of an all-Q4_0 copy of ``model`` (every matrix, token embedding and head included), made once
+    by llama.cpp's quantizer (``llama_quantize.py`` in the llama-cpp-python venv) into the bench dir."""
+    from common import bench_dir
+
+    out = bench_dir() / (os.path.splitext(os.path.basename(str(model)))[0] + "-all-q4_0.gguf")
+    if not out.exists():
+        here = os.path.dirname(os.path.abspath(__file__))
+        tmp = out.with_suffix(".partial")
+        r = subprocess.run([str(py), os.path.join(here, "llama_quantize.py"), str(model), str(tmp)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"llama.cpp's quantizer failed: {r.stderr[-1000:]}")
+        os.replace(tmp, out)
+    return str(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF file (default: the default model)")
-    ap.add_argument("--threads", type=int, default=None, help="threads for both engines (default: physical cores)")
+    ap.add_argument("--threads", default=None,
+                    help="threads for both engines, or a comma-separated list (e.g. 1,2) measured in turn "
+                         "(default: physical cores)")
+    ap.add_argument("--all-q4_0", action="store_true",
+                    help="also measure an all-Q4_0 conversion of the model (token embedding and head included), made "
+                         "once with llama.cpp's own quantizer in the llama-cpp-python venv")
     ap.add_argument("--n", type=int, default=128, help="tokens to generate per run")
     ap.add_argument("--repeats", type=int, default=3, help="cold runs per prompt and engine")
     ap.add_argument("--load", choices=("quiet", "busy", "both"), default="quiet",
@@ -118,7 +144,8 @@ def main():
     prompts = [p.strip() for p in a.prompts.split(",")]
     if any(p not in PROMPTS for p in prompts):
         ap.error(f"--prompts: choose from {', '.join(PROMPTS)} (got {a.prompts})")
-    threads = a.threads or physical_cores()
+    thread_list = [int(t) for t in a.threads.split(",")] if a.threads else [physical_cores()]
+    threads = max(thread_list)
     model = a.model or default_model_path()
     py = None
     if not a.no_llama:
@@ -126,38 +153,49 @@ def main():
         if py is None:
             print("llama.cpp: llama-cpp-python is not installed (no venv under $GEMMASPEC_HOME/bench/llama-venv); "
                   "measuring gemmaspec only. --build-llama builds it (about 16 minutes on 2 cores).", file=sys.stderr)
-    ours(model, "warm-up", 2, threads)  # builds the tokenizer cache and the kernels once
+    models = {os.path.basename(str(model)): model}
+    if a.all_q4_0:
+        if py is None:
+            ap.error("--all-q4_0 needs llama-cpp-python (its quantizer makes the conversion): --build-llama")
+        models["all-Q4_0"] = all_q4_0(py, model)
+    for m_path in models.values():
+        ours(m_path, "warm-up", 2, threads)  # builds the tokenizer cache and the kernels once
     loads = {"before": os.getloadavg()[0]}
     conditions = ["quiet", "one busy process"] if a.load == "both" else \
         ["one busy process" if a.load == "busy" else "quiet"]
     raw = {}
     for cond in conditions:
-        if cond == "quiet":
-            raw[cond] = measure(py, model, prompts, a.n, threads, a.repeats)
-        else:
-            with busy_process():
-                raw[cond] = measure(py, model, prompts, a.n, threads, a.repeats)
+        for m_name, m_path in models.items():
+            for t in thread_list:
+                key = f"{cond} | {m_name} | {t}"
+                if cond == "quiet":
+                    raw[key] = measure(py, m_path, prompts, a.n, t, a.repeats)
+                else:
+                    with busy_process():
+                        raw[key] = measure(py, m_path, prompts, a.n, t, a.repeats)
         loads[f"after {cond}"] = os.getloadavg()[0]
     # after the runs: a child's peak RSS (wait4) includes this process's peak at the time it was started,
     # so this process loads the model and the bandwidth array only once every run is done
     bw = read_bandwidth(threads)
-    step = model_bytes(model)
+    steps = {m_name: model_bytes(m_path) for m_name, m_path in models.items()}
+    step = steps[os.path.basename(str(model))]
 
     m = machine()
-    gb_step = step["total"] / 1e9
     lines = [f"Machine: {m['cpu']}, {m['cores']} cores; SIMD: {m['simd']}; kernel path {m['kernel_isa']}; "
-             f"{threads} threads; greedy; {a.n} new tokens; median of {a.repeats} cold runs per prompt; "
+             f"threads {','.join(map(str, thread_list))}; greedy; {a.n} new tokens; median of {a.repeats} cold runs per prompt; "
              f"model {os.path.basename(str(model))}" + ("" if py else "; llama.cpp not installed, not measured"),
              f"Weights read per decode step: {step['total'] / 2**20:.1f} MiB ({step['matrices']} matrices; "
-             f"head {step['head'] / 2**20:.1f} MiB). Read bandwidth (float32 matrix-vector product over "
+             f"head {step['head'] / 2**20:.1f} MiB)"
+             + "".join(f"; {n}: {b['total'] / 2**20:.1f} MiB" for n, b in steps.items() if b is not step) + ". Read bandwidth (float32 matrix-vector product over "
              f"{bw['array_mib']} MiB, "
              f"{threads} threads, {len(bw['passes_gbs'])} passes): best {bw['best_gbs']:.1f} GB/s, median "
              f"{bw['median_gbs']:.1f}. 1-minute load average: "
              + ", ".join(f"{k} {v:.2f}" for k, v in loads.items()) + " (shared machine: figures are noisy).", "",
-             "| load | prompt | engine | prompt tokens | prefill tok/s | decode tok/s | weights GB/s (of best read bw) "
-             "| cold start → first token (s) | peak RSS (MB) | decode ours/llama.cpp |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| load | model | threads | prompt | engine | prompt tokens | prefill tok/s | decode tok/s "
+             "| weights GB/s (of best read bw) | cold start → first token (s) | peak RSS (MB) | decode ours/llama.cpp |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for cond, per_prompt in raw.items():
+        gb_step = steps[cond.split(" | ")[1]]["total"] / 1e9
         for kind, runs in per_prompt.items():
             med = {eng: {k: median([r.get(k) for r in rs]) for k in
                          ("prefill_tps", "decode_tps", "cold_first_token_s", "peak_rss_mb", "prompt_tokens")}
@@ -172,8 +210,9 @@ def main():
                     f"{md['decode_tps']:.1f} | {share} | "
                     f"{md['cold_first_token_s']:.2f} | {md['peak_rss_mb']:.0f} | "
                     f"{'' if ratio is None else f'{ratio:.2f}x'} |")
-    write_results("decode", {"machine": m, "settings": vars(a) | {"model": str(model), "threads": threads},
-                             "llama_cpp_installed": py is not None, "bytes_per_step": step,
+    write_results("decode", {"machine": m, "settings": vars(a) | {"model": str(model), "threads": thread_list,
+                                                              "models": {k: str(v) for k, v in models.items()}},
+                             "llama_cpp_installed": py is not None, "bytes_per_step": steps,
                              "read_bandwidth": bw, "loadavg": loads, "runs": raw}, "\n".join(lines))
 
 
