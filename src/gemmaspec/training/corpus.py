@@ -54,11 +54,13 @@ SELF_PROMPTS = [
 
 
 def held_out_texts() -> list[str]:
-    """The prompts drafters are evaluated on (benchmarks/speculative.py, tests/test_speculative.py),
+    """The prompts drafters are evaluated on (benchmarks/speculative.py, tests/test_speculative.py and
+    tests/test_shipped_drafter.py),
     read from their files when present (a source checkout), so the check follows them."""
     root = Path(__file__).resolve().parents[3]
     out = []
-    for rel in ("benchmarks/speculative.py", "benchmarks/common.py", "tests/test_speculative.py"):
+    for rel in ("benchmarks/speculative.py", "benchmarks/common.py", "tests/test_speculative.py",
+                "tests/test_shipped_drafter.py"):
         p = root / rel
         if p.exists():
             import ast
