@@ -121,3 +121,30 @@ def test_ops_on_one_thread_keeps_kernel_threads():
         assert torch.get_num_threads() == 2 and kernels.threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_products_from_several_python_threads_at_once(lib):
+    """ctypes releases the GIL, so threads (a server's) can call the kernel together: each product is
+    still right (the pool runs one job; a caller that finds it busy runs its own on its own thread)."""
+    import threading
+
+    ws = [_weight(n, 256, seed) for seed, n in enumerate((500, 700, 900))]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    ref = [_product(w, x, 1) for w in ws]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    errors = []
+
+    def work(i):
+        for _ in range(300):
+            if not torch.equal(ws[i](x), ref[i]):
+                errors.append(i)
+                return
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.set_num_threads(before)
+    assert not errors

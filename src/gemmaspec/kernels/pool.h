@@ -32,6 +32,7 @@
 typedef void (*gs_task_fn)(void *ctx, int task);
 
 static struct {
+    pthread_mutex_t job;          /* held by the thread whose job the pool runs */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int started;                  /* workers started (each has index 0..started-1) */
@@ -43,7 +44,7 @@ static struct {
     void *ctx;
     int ntasks, nworkers;         /* workers with index < nworkers take part */
     long spin_ns;
-} gs_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0, -1};
+} gs_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0, -1};
 
 static inline void gs_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -110,16 +111,21 @@ static void *gs_pool_worker(void *arg) {
     return NULL;
 }
 
-static void gs_pool_after_fork(void) { gs_pool.started = 0; } /* a forked child has no workers */
+static void gs_pool_after_fork(void) { /* a forked child has no workers, and no job in flight */
+    gs_pool.started = 0;
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    gs_pool.job = fresh;
+}
 
 /* Run fn(ctx, t) for t = 0..ntasks-1 on up to nthreads threads (the caller and nthreads-1 workers),
- * each task exactly once; returns when all have finished. Tasks must write disjoint memory. Not
- * reentrant: one job at a time (the Python side calls kernels from one thread at a time). */
+ * each task exactly once; returns when all have finished. Tasks must write disjoint memory. The pool
+ * runs one job at a time: a caller that finds it busy (another thread's product: ctypes releases the
+ * GIL, so Python threads can call in together) runs its own job on its own thread instead of waiting. */
 static void gs_parallel(int ntasks, int nthreads, gs_task_fn fn, void *ctx) {
     if (ntasks <= 0) return;
     if (nthreads > GS_POOL_MAX) nthreads = GS_POOL_MAX;
     if (nthreads > ntasks) nthreads = ntasks;
-    if (nthreads <= 1) {
+    if (nthreads <= 1 || pthread_mutex_trylock(&gs_pool.job) != 0) {
         for (int t = 0; t < ntasks; t++) fn(ctx, t);
         return;
     }
@@ -158,6 +164,7 @@ static void gs_parallel(int ntasks, int nthreads, gs_task_fn fn, void *ctx) {
         gs_cpu_relax();
         if ((i & 255) == 255) sched_yield(); /* a worker preempted mid-task gets the core back */
     }
+    pthread_mutex_unlock(&gs_pool.job);
 }
 
 #endif
