@@ -147,10 +147,15 @@ def _hub_call(fn, what: str, s: HubSettings):
 
 def _remove_download(path: Path) -> None:
     """Delete a downloaded file from the hub cache: the snapshot link and the blob it points to."""
+    import shutil
+
     real = path.resolve()
     path.unlink(missing_ok=True)
     if real != path:
         real.unlink(missing_ok=True)
+    repo = next((p for p in path.parents if p.name.startswith("models--")), None)
+    if repo is not None and not any(p.is_file() for p in (repo / "snapshots").rglob("*")):
+        shutil.rmtree(repo, ignore_errors=True)  # nothing else of this repo is cached: no refs left behind
 
 
 def _check(path: Path, label: str, expected: list[tuple[str, str]]) -> str:
