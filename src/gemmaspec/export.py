@@ -73,8 +73,10 @@ def tensor_parallel(total_bytes: int, gpu_bytes: int, heads: int) -> int:
     for t in (1, 2, 4, 8):
         if heads % t == 0 and total_bytes / t <= GPU_UTILIZATION * gpu_bytes:
             return t
-    raise InputError(f"the setup needs {total_bytes / 2**30:.1f} GiB: more than 8 GPUs of --gpu-mem "
-                     f"{gpu_bytes / 2**30:.0f} GiB; use pipeline parallelism across nodes (see docs/scale-out.md)")
+    from .kernels.cuda import fmt_bytes
+
+    raise InputError(f"the setup needs {fmt_bytes(total_bytes)}: more than 8 GPUs of --gpu-mem {fmt_bytes(gpu_bytes)}; "
+                     "use pipeline parallelism across nodes (see docs/scale-out.md)")
 
 
 def _gpu_estimate(target_path, draft_path, ctx, slots) -> tuple[int, int, int]:
