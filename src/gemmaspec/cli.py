@@ -33,7 +33,7 @@ LLAMA_FLAGS_REFUSED = {
     ("-tb", "--threads-batch"): "-t sets the threads for prefill and decode alike",
     ("-sm", "--split-mode", "-ts", "--tensor-split", "-mg", "--main-gpu"):
         "gemmaspec runs the whole model on one device: --device cpu|cuda",
-    ("-hf", "--hf-repo", "-mu", "--model-url"): "download with `gemmaspec pull NAME|REPO[:FILE]`, then pass -m NAME (or the file)",
+    ("-hf", "--hf-repo", "-mu", "--model-url"): "download with `gemmaspec pull NAME|REPO[:FILE]`, then pass -m NAME or -m FILE",
     ("--numa",): "no NUMA placement; set the thread count with -t",
     ("-co", "--color"): "output is plain text (no colors)",
     ("-r", "--reverse-prompt"): "use --stop STR (repeatable) to end generation at a string",
@@ -249,8 +249,9 @@ def _sampling_params(args):
 
 
 def _load(args):
-    """Checks the spec flags and the memory, then loads the engine and drafter: ``(engine, drafter,
-    n_max, load_s)``; prints the memory estimate once loaded."""
+    """Checks the spec flags and the memory (a setup that does not fit is refused before loading),
+    then loads the engine and drafter: ``(engine, drafter, n_max, load_s)``; the estimate's line is
+    kept in ``args.memory_line`` for :func:`_print_memory`."""
     from .loader import load_drafter, load_engine, memory_estimate, resolve_models
 
     resolve_models(args)
@@ -263,9 +264,13 @@ def _load(args):
     load_s = time.perf_counter() - t0
     drafter = load_drafter(args.spec_type, engine, args.model_draft, args.spec_draft_p_min,
                            args.spec_ngram_size, args.spec_ngram_min)
-    if est is not None:
-        print(est.line(), file=sys.stderr)
+    args.memory_line = est.line() if est is not None else None  # printed once the request is accepted
     return engine, drafter, n_max, load_s
+
+
+def _print_memory(args) -> None:
+    if getattr(args, "memory_line", None):
+        print(args.memory_line, file=sys.stderr)
 
 
 def _read_prompt(args) -> str:
@@ -289,6 +294,7 @@ def _cmd_generate(args) -> int:
     engine, drafter, n_max, load_s = _load(args)
     ids = engine.encode_prompt(prompt, chat=args.chat, system=args.system_prompt)
     engine.check_prompt(ids)
+    _print_memory(args)
     stats = RequestStats()
     out = sys.stdout
     for ev in engine.generate(ids, params, drafter=drafter, n_max=n_max, n_min=args.spec_draft_n_min, stats=stats):
@@ -310,6 +316,7 @@ def _cmd_chat(args) -> int:
 
     params = _sampling_params(args)
     engine, drafter, n_max, _ = _load(args)
+    _print_memory(args)
     if args.model is None:
         print("note: the default model (Gemma 3 270M) is a base model: it continues text and only half follows a "
               "conversation; for real answers pass -m with an instruction-tuned Gemma GGUF", file=sys.stderr)
