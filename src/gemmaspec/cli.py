@@ -33,7 +33,7 @@ LLAMA_FLAGS_REFUSED = {
     ("-tb", "--threads-batch"): "-t sets the threads for prefill and decode alike",
     ("-sm", "--split-mode", "-ts", "--tensor-split", "-mg", "--main-gpu"):
         "gemmaspec runs the whole model on one device: --device cpu|cuda",
-    ("-hf", "--hf-repo", "-mu", "--model-url"): "gemmaspec does not download models: fetch the GGUF and pass -m FILE",
+    ("-hf", "--hf-repo", "-mu", "--model-url"): "download with `gemmaspec pull NAME|REPO[:FILE]`, then pass -m NAME or -m FILE",
     ("--numa",): "no NUMA placement; set the thread count with -t",
     ("-co", "--color"): "output is plain text (no colors)",
     ("-r", "--reverse-prompt"): "use --stop STR (repeatable) to end generation at a string",
@@ -79,7 +79,9 @@ def _refuse(p: argparse.ArgumentParser, table: dict) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=None, help="GGUF model file or Hugging Face checkpoint directory (default: the embedded Gemma 3 270M)")
+    p.add_argument("-m", "--model", default=None,
+                   help="GGUF file, Hugging Face checkpoint directory or a known model name (gemmaspec models; "
+                        "default: the embedded Gemma 3 270M)")
     p.add_argument("-c", "--ctx-size", type=int, default=None,
                    help="context size in tokens (0 = the model's; default 4096 or the model's, if smaller)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default auto)")
@@ -92,13 +94,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def _add_spec(p: argparse.ArgumentParser, default: str | None = "none", help_default: str = "default none") -> None:
     sp = p.add_argument_group("speculative decoding (llama-server's flags)")
     sp.add_argument("--spec-type", default=default, choices=SPEC_TYPES, help=f"drafter ({help_default})")
-    sp.add_argument("--spec-draft-n-max", "--draft-max", default="3",
-                    help="most draft tokens per round, or 'auto' to adapt per request (default 3)")
+    sp.add_argument("--spec-draft-n-max", "--draft-max", default=None,
+                    help="most draft tokens per round, or 'auto' to adapt per request (default: the known model's "
+                         "recommendation, see gemmaspec models; else 3)")
     sp.add_argument("--spec-draft-n-min", "--draft-min", type=int, default=0,
                     help="proposals shorter than this are not verified (default 0)")
     sp.add_argument("--spec-draft-p-min", "--draft-p-min", type=float, default=0.0,
                     help="draft model stops drafting below this top probability (default 0)")
-    sp.add_argument("-md", "--model-draft", default=None, help="draft model GGUF for --spec-type draft-simple")
+    sp.add_argument("-md", "--model-draft", default=None,
+                    help="assistant (draft-mtp) or draft model (draft-simple): file, directory or known model name")
     sp.add_argument("--spec-ngram-size", type=int, default=4, help="longest n-gram to match (default 4)")
     sp.add_argument("--spec-ngram-min", type=int, default=1, help="shortest n-gram that counts (default 1)")
 
@@ -187,11 +191,41 @@ def build_parser() -> argparse.ArgumentParser:
     from .training.cli import add_parsers as _training_parsers
 
     _training_parsers(sub)
+    _add_models_parsers(sub)
+
     v = sub.add_parser("verify", help="check a quantized GGUF against its source, tensor by tensor (exit 0/1)",
                        allow_abbrev=False)
     v.add_argument("out", metavar="OUT.gguf", help="the file written by gemmaspec quantize")
     v.add_argument("--against", metavar="IN", required=True, help="the source it was made from")
     return ap
+
+
+def _add_models_parsers(sub) -> None:
+    """``pull``, ``models``, ``fit``, ``export``."""
+    pl = sub.add_parser("pull", help="download a known model or REPO[:FILE] from the Hugging Face Hub, sha256-checked",
+                        allow_abbrev=False)
+    pl.add_argument("spec", metavar="NAME|REPO[:FILE]", help="a name from gemmaspec models, a repo, or repo:file")
+    pl.add_argument("--revision", default=None, help="branch, tag or commit to pin (default main)")
+    pl.add_argument("--sha256", default=None, help="expected sha256 of the file; a mismatch deletes the download")
+    pl.add_argument("--with-assistant", action="store_true",
+                    help="also fetch the target's assistant (a QAT target gets its QAT assistant)")
+
+    sub.add_parser("models", help="list the known models (targets, assistants), their pairs and what is cached",
+                   allow_abbrev=False)
+
+    f = sub.add_parser("fit", help="will it fit? memory of a model, its drafter and KV cache, from metadata only",
+                       allow_abbrev=False)
+    f.add_argument("-m", "--model", default=None, help="model file, directory or known name (default: the embedded one)")
+    f.add_argument("-md", "--model-draft", default=None, help="assistant or draft model")
+    f.add_argument("-c", "--ctx-size", type=int, default=None, help="context per slot (0 = the model's; default 4096 "
+                   "or the model's, if smaller)")
+    f.add_argument("-np", "--parallel", type=int, default=1, help="slots (sequences served at once; default 1)")
+    f.add_argument("--device", default="auto",
+                   help="cpu, cuda (their free memory), auto, or a memory size to check against (e.g. 8GiB, 512M)")
+
+    from .export import add_export_parser
+
+    add_export_parser(sub)
 
 
 def check_common(args) -> None:
@@ -218,18 +252,28 @@ def _sampling_params(args):
 
 
 def _load(args):
-    """Checks the spec flags, then loads the engine and drafter: ``(engine, drafter, n_max, load_s)``."""
-    from .loader import load_drafter, load_engine
+    """Checks the spec flags and the memory (a setup that does not fit is refused before loading),
+    then loads the engine and drafter: ``(engine, drafter, n_max, load_s)``; the estimate's line is
+    kept in ``args.memory_line`` for :func:`_print_memory`."""
+    from .loader import load_drafter, load_engine, memory_estimate, resolve_models
 
+    resolve_models(args)
     n_max = parse_n_max(args.spec_draft_n_max)
     if args.spec_draft_n_min < 0:
         raise InputError(f"--spec-draft-n-min must be >= 0 (got {args.spec_draft_n_min})")
+    est = memory_estimate(args)
     t0 = time.perf_counter()
     engine = load_engine(args.model, ctx_size=args.ctx_size, device=args.device, threads=args.threads)
     load_s = time.perf_counter() - t0
     drafter = load_drafter(args.spec_type, engine, args.model_draft, args.spec_draft_p_min,
                            args.spec_ngram_size, args.spec_ngram_min)
+    args.memory_line = est.line() if est is not None else None  # printed once the request is accepted
     return engine, drafter, n_max, load_s
+
+
+def _print_memory(args) -> None:
+    if getattr(args, "memory_line", None):
+        print(args.memory_line, file=sys.stderr)
 
 
 def _read_prompt(args) -> str:
@@ -253,6 +297,7 @@ def _cmd_generate(args) -> int:
     engine, drafter, n_max, load_s = _load(args)
     ids = engine.encode_prompt(prompt, chat=args.chat, system=args.system_prompt)
     engine.check_prompt(ids)
+    _print_memory(args)
     stats = RequestStats()
     out = sys.stdout
     for ev in engine.generate(ids, params, drafter=drafter, n_max=n_max, n_min=args.spec_draft_n_min, stats=stats):
@@ -274,6 +319,7 @@ def _cmd_chat(args) -> int:
 
     params = _sampling_params(args)
     engine, drafter, n_max, _ = _load(args)
+    _print_memory(args)
     if args.model is None:
         print("note: the default model (Gemma 3 270M) is a base model: it continues text and only half follows a "
               "conversation; for real answers pass -m with an instruction-tuned Gemma GGUF", file=sys.stderr)
@@ -311,6 +357,51 @@ def _cmd_quantize(args) -> int:
     print(f"wrote {args.out}: {format_size(rep.output_bytes)} in {rep.seconds:.2f} s "
           f"({rep.source_bytes / 1e6 / max(rep.seconds, 1e-9):.0f} MB/s of source)", file=sys.stderr)
     return 0
+
+
+def _cmd_pull(args) -> int:
+    from .loading.hub import pull
+
+    for p in pull(args.spec, revision=args.revision, sha256=args.sha256, with_assistant=args.with_assistant):
+        print(f"{p.label}: {p.path}" + (f" (sha256 {p.sha256})" if p.sha256 else ""))
+    return 0
+
+
+def _cmd_models(args) -> int:
+    from .loading import catalog
+    from .loading.hub import cached_path
+
+    print(f"{'name':<44} {'role':<9} {'qat':<3} {'n_max':>5}  {'cached':<6} repo / pair")
+    for e in catalog.entries():
+        try:
+            where = cached_path(e)
+        except Exception:  # noqa: BLE001 - a listing never fails on one entry
+            where = None
+        partner = e.assistant if e.role == "target" else e.target
+        repo = e.repo or e.package or ("(placeholder)" if e.placeholder else "(repo not recorded)")
+        if e.file:
+            repo += f":{e.file}"
+        n = "" if e.draft_n_max is None else str(e.draft_n_max)
+        print(f"{e.name:<44} {e.role:<9} {'yes' if e.qat else 'no':<3} {n:>5}  {'yes' if where else 'no':<6} "
+              f"{repo}" + (f"  (pair: {partner})" if partner else ""))
+    print("\nn_max: the draft length used when --spec-draft-n-max is not given; sources in "
+          "src/gemmaspec/loading/catalog.json")
+    return 0
+
+
+def _cmd_fit(args) -> int:
+    from .loader import resolve_models
+    from .loading.fit import device_and_free, estimate, read_model
+
+    resolve_models(args)
+    device, free = device_and_free(args.device)
+    target = read_model(args.model)
+    if target.role != "target":
+        raise InputError(f"{target.path} is an assistant ({target.arch}); pass it as -md and its target as -m")
+    est = estimate(target, read_model(args.model_draft) if args.model_draft else None, args.ctx_size,
+                   args.parallel, device, free)
+    print(est.table())
+    return 0 if est.fits else 1
 
 
 def _cmd_verify(args) -> int:
@@ -352,6 +443,12 @@ def main(argv=None) -> int:
             return training_cli.run_train(args) if args.command == "train-drafter" else training_cli.run_eval(args)
         if args.command == "verify":
             return _cmd_verify(args)
+        if args.command in ("pull", "models", "fit", "export"):
+            if args.command == "export":
+                from .export import cmd_export
+
+                return cmd_export(args)
+            return {"pull": _cmd_pull, "models": _cmd_models, "fit": _cmd_fit}[args.command](args)
         return _cmd_inspect(args)
     except GemmaspecError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -191,6 +191,57 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
     return "draft-simple", lambda cache: DraftModelDrafter(draft.model, engine.ctx_size, p_min)
 
 
+def resolve_models(args) -> None:
+    """Turn known model names in ``-m`` / ``-md`` into their cached paths and, when
+    ``--spec-draft-n-max`` is not given, take the catalog's recommended draft length (else 3).
+
+    Raises:
+        InputError: an unknown name (close matches listed) or one not downloaded yet.
+    """
+    from .loading import catalog
+    from .loading.hub import resolve
+
+    args.model, target = resolve(args.model)
+    draft = None
+    if getattr(args, "model_draft", None):
+        args.model_draft, draft = resolve(args.model_draft)
+    if hasattr(args, "spec_draft_n_max") and args.spec_draft_n_max is None:
+        rec = catalog.draft_n_max(target, draft) if (draft is not None or args.spec_type in (None, "ngram-simple")) \
+            else None
+        args.spec_draft_n_max = str(rec[0]) if rec else "3"
+
+
+def memory_estimate(args, slots: int = 1, caches: int | None = None):
+    """``fit``'s estimate for the model flags of ``args`` on ``args.device``, refused when it does not
+    fit; returned for printing once the model is loaded.
+
+    Raises:
+        InputError: the setup does not fit (with the numbers), or a bad ``-c``.
+        ModelFileError: an unreadable model file (as loading would say).
+    """
+    from .loading.fit import check_fits, estimate, free_memory, read_model
+
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None  # load_engine says so
+    target = read_model(args.model)
+    if target.role != "target":
+        return None  # load_checkpoint refuses it with its own message
+    draft = None
+    if args.model_draft and args.spec_type in (None, "draft-simple", "draft-mtp"):
+        draft = read_model(args.model_draft)
+    est = estimate(target, draft, args.ctx_size, caches or slots, device, free_memory(device))
+    check_fits(est)
+    return est
+
+
 def qat_mismatch_warning(target, assistant) -> str | None:
     """A warning when one of a target/assistant pair is QAT (4-bit grid weights) and the other is not:
     Google's model card pairs QAT targets with QAT assistants only. None when they match."""
@@ -203,4 +254,5 @@ def qat_mismatch_warning(target, assistant) -> str | None:
             "targets with QAT assistants (*-qat-q4_0-unquantized-assistant) and acceptance may drop")
 
 
-__all__ = ["load_engine", "load_drafter", "drafter_factory", "resolve_device", "GemmaspecError", "SPEC_TYPES"]
+__all__ = ["load_engine", "load_drafter", "drafter_factory", "resolve_device", "resolve_models", "memory_estimate",
+           "GemmaspecError", "SPEC_TYPES"]

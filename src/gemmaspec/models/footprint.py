@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from ..kernels.cuda import CUDA_CONTEXT_BYTES, DeviceMemory, kv_cache_bytes, layout_bytes, work_bytes
-from .config import Gemma4AssistantConfig, Gemma4Config
+from .config import Gemma3Config, Gemma4AssistantConfig, Gemma4Config
 
 
 def layer_ffn(c: Gemma4Config, i: int) -> int:
@@ -77,11 +77,14 @@ def tensor_shapes(config: Gemma4Config | Gemma4AssistantConfig, tied: bool = Tru
     return shapes
 
 
-def kv_layers(config: Gemma4Config | Gemma4AssistantConfig) -> list[tuple[int, int, int | None]]:
+def kv_layers(config: Gemma3Config | Gemma4Config | Gemma4AssistantConfig) -> list[tuple[int, int, int | None]]:
     """``(kv_heads, head_dim, window or None)`` of each layer that keeps its own K/V (KV-shared layers
-    keep none; an assistant keeps none: it reads its target's cache)."""
+    keep none; an assistant keeps none: it reads its target's cache; every Gemma 3 layer keeps its own)."""
     if isinstance(config, Gemma4AssistantConfig):
         return []
+    if isinstance(config, Gemma3Config):
+        return [(config.num_kv_heads, config.head_dim, config.sliding_window if t == "sliding" else None)
+                for t in config.layer_types]
     c, src = config, config.kv_source()
     return [(c.layer_kv_heads(i), c.layer_head_dim(i), c.sliding_window if c.layer_types[i] == "sliding" else None)
             for i in range(c.num_layers) if src[i] == i]

@@ -60,6 +60,9 @@ def serve(args) -> int:
 
     from .api import ServeConfig, create_app
 
+    from ..loader import memory_estimate, resolve_models
+
+    resolve_models(args)
     n_max = parse_n_max(args.spec_draft_n_max)
     if args.parallel < 1:
         raise InputError(f"-np must be at least 1 (got {args.parallel})")
@@ -71,6 +74,9 @@ def serve(args) -> int:
         raise InputError("--api-key must not be empty")
     for flag, path in (("-m", args.model), ("-md", args.model_draft)):
         _check_readable(flag, path)
+    # the slots' caches, plus the engine's own (allocated, never written by serve: it costs device memory
+    # on CUDA, not resident memory on the CPU)
+    est = memory_estimate(args, args.parallel, args.parallel + (1 if args.device == "cuda" else 0))
     cfg = ServeConfig(model=args.model, draft_model=args.model_draft, spec_type=args.spec_type, n_max=n_max,
                       n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, ngram_size=args.spec_ngram_size,
                       ngram_min=args.spec_ngram_min, ctx_size=args.ctx_size, n_slots=args.parallel,
@@ -99,6 +105,8 @@ def serve(args) -> int:
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3)
     server = uvicorn.Server(config)
     host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    if est is not None:
+        print(est.line(), file=sys.stderr)
     print(f"gemmaspec serve: listening on http://{host}:{port} (loading the model; /health answers 503 until "
           "it is ready)", file=sys.stderr, flush=True)
     try:

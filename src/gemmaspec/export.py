@@ -1,0 +1,174 @@
+"""``gemmaspec export llama-server|vllm|sglang``: the launch command of another server for the same
+target, drafter and speculative settings, so a setup that outgrows one machine moves without
+re-deriving flags (docs/scale-out.md).
+
+- **llama-server** (llama.cpp) takes GGUF files: ``-m`` / ``-md``, ``--spec-type``,
+  ``--spec-draft-n-max``, ``-c``, ``-np`` (the flags gemmaspec copies).
+- **vLLM** serves Hugging Face checkpoints; a Gemma 4 assistant goes in ``--speculative-config`` with
+  ``"method": "mtp"`` (vLLM's MTP docs), n-gram lookup as ``"method": "ngram"``, a separate draft
+  model as ``"method": "draft_model"``. A catalog GGUF is exported as the checkpoint it was made from
+  (``hf_equivalent``). ``--tensor-parallel-size`` is the smallest power of two whose share of the
+  weights, KV cache and buffers (bf16, the checkpoint's own type) fits ``--gpu-mem`` at vLLM's default
+  ``--gpu-memory-utilization`` 0.9 and divides the attention heads.
+- **SGLang**: ``--speculative-algorithm NEXTN`` with the assistant as the draft model (SGLang's MTP
+  path), ``NGRAM`` for lookup; ``--tp-size`` as for vLLM. Support for Gemma 4 assistants in SGLang is
+  not verified here.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+from .errors import InputError
+
+TARGETS = ("llama-server", "vllm", "sglang")
+GPU_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
+
+
+def add_export_parser(sub) -> None:
+    e = sub.add_parser("export", help="print the llama-server / vLLM / SGLang command for the same model and drafter",
+                       allow_abbrev=False)
+    e.add_argument("server", choices=TARGETS, help="the server to launch")
+    e.add_argument("-m", "--model", default=None, help="model file, directory or known name (default: the embedded one)")
+    e.add_argument("-md", "--model-draft", default=None, help="assistant or draft model")
+    e.add_argument("-c", "--ctx-size", type=int, default=None, help="context per sequence (default 4096 or the model's)")
+    e.add_argument("-np", "--parallel", type=int, default=1, help="sequences served at once (default 1)")
+    e.add_argument("--spec-type", default=None, choices=["none", "ngram-simple", "draft-simple", "draft-mtp"],
+                   help="drafter (default: draft-mtp for an assistant -md, draft-simple for a model, else none)")
+    e.add_argument("--spec-draft-n-max", "--draft-max", default=None,
+                   help="draft tokens per round (default: the catalog's recommendation, else 3)")
+    e.add_argument("--spec-ngram-size", type=int, default=4, help="longest n-gram (ngram-simple; default 4)")
+    e.add_argument("--spec-ngram-min", type=int, default=1, help="shortest n-gram (ngram-simple; default 1)")
+    e.add_argument("--port", type=int, default=8080, help="port of the exported server (default 8080)")
+    e.add_argument("--gpu-mem", default="80GiB", help="memory of one GPU, for the tensor-parallel size (default 80GiB)")
+
+
+def _name_for_vllm(arg: str | None, path: str | None, entry) -> str:
+    """What vLLM / SGLang should load: a catalog entry's Hugging Face repo (a GGUF entry's source
+    checkpoint), else the local path."""
+    from .loading import catalog
+
+    if entry is not None:
+        if entry.hf_equivalent:
+            entry = catalog.get(entry.hf_equivalent)
+        if entry.repo and entry.is_dir:
+            return entry.repo
+    if path is None:
+        raise InputError("vLLM and SGLang need a Hugging Face checkpoint; the embedded default model is a GGUF "
+                         "(export llama-server, or pass -m with a checkpoint or a known Gemma 4 name)")
+    if path.endswith(".gguf"):
+        print(f"note: {path} is a GGUF; vLLM's GGUF support is limited and an MTP assistant must be a checkpoint "
+              "directory: export the Hugging Face checkpoint it was made from instead", file=sys.stderr)
+    return path
+
+
+def tensor_parallel(total_bytes: int, gpu_bytes: int, heads: int) -> int:
+    """Smallest power of two t (1..8) with total/t within GPU_UTILIZATION of one GPU and heads % t == 0.
+
+    Raises:
+        InputError: even 8 GPUs are not enough.
+    """
+    for t in (1, 2, 4, 8):
+        if heads % t == 0 and total_bytes / t <= GPU_UTILIZATION * gpu_bytes:
+            return t
+    from .kernels.cuda import fmt_bytes
+
+    raise InputError(f"the setup needs {fmt_bytes(total_bytes)}: more than 8 GPUs of --gpu-mem {fmt_bytes(gpu_bytes)}; "
+                     "use pipeline parallelism across nodes (see docs/scale-out.md)")
+
+
+def _gpu_estimate(target_path, draft_path, ctx, slots) -> tuple[int, int, int]:
+    """(bytes the exported server needs in bf16, attention heads, context used)."""
+    from .loading.fit import buffer_bytes, kv_bytes_per_slot, read_model
+
+    t = read_model(target_path)
+    d = read_model(draft_path) if draft_path else None
+    c = ctx or min(4096, t.context_length)
+    params = sum(n for m in (t, d) if m is not None for n in _numels(m))
+    total = 2 * params + slots * kv_bytes_per_slot(t, c, dtype_bytes=2) + buffer_bytes(t, c) // 2
+    return total, t.text.num_heads, c
+
+
+def _numels(m):
+    import math
+
+    return [math.prod(shape) if shape else 1 for _, _, shape, _ in m.tensors]
+
+
+def build_command(args) -> list[str]:
+    """The exported server's argv for ``args`` (models already resolved to paths)."""
+    from .loading.fit import parse_mem
+    from .speculative.options import parse_n_max
+
+    spec = args.spec_type
+    if spec is None:
+        spec = "none"
+        if args.model_draft:
+            from .loading.fit import read_model
+
+            spec = "draft-mtp" if read_model(args.model_draft).role == "assistant" else "draft-simple"
+    n = parse_n_max(args.spec_draft_n_max)
+    if n == "auto":
+        raise InputError("--spec-draft-n-max auto is gemmaspec's own; give the exported server a number")
+    if spec in ("draft-simple", "draft-mtp") and not args.model_draft:
+        raise InputError(f"--spec-type {spec} needs -md")
+    if args.parallel < 1:
+        raise InputError(f"-np must be at least 1 (got {args.parallel})")
+    if args.server == "llama-server":
+        from .loading.default_model import default_model_path
+
+        model = args.model or str(default_model_path())
+        for flag, p in (("-m", model), ("-md", args.model_draft)):
+            if p and not str(p).endswith(".gguf"):
+                raise InputError(f"llama-server loads GGUF files; {flag} {p} is not one: convert it first "
+                                 f"(gemmaspec convert {p} OUT.gguf)")
+        cmd = ["llama-server", "-m", str(model), "--port", str(args.port), "-np", str(args.parallel)]
+        if args.ctx_size is not None:
+            cmd += ["-c", str(args.ctx_size * args.parallel)]  # llama-server's -c is shared by the slots
+        if spec != "none":
+            cmd += ["--spec-type", spec, "--spec-draft-n-max", str(n)]
+            if args.model_draft:
+                cmd += ["-md", str(args.model_draft)]
+        return cmd
+    target = _name_for_vllm(args.model, args.model, args.target_entry)
+    draft = _name_for_vllm(args.model_draft, args.model_draft, args.draft_entry) if args.model_draft else None
+    total, heads, ctx = _gpu_estimate(args.model, args.model_draft, args.ctx_size, args.parallel)
+    tp = tensor_parallel(total, parse_mem(args.gpu_mem), heads)
+    if args.server == "vllm":
+        cmd = ["vllm", "serve", target, "--port", str(args.port), "--max-model-len", str(ctx),
+               "--max-num-seqs", str(args.parallel), "--tensor-parallel-size", str(tp)]
+        cfg = None
+        if spec == "draft-mtp":
+            cfg = {"method": "mtp", "model": draft, "num_speculative_tokens": n}
+        elif spec == "draft-simple":
+            cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": n}
+        elif spec == "ngram-simple":
+            cfg = {"method": "ngram", "num_speculative_tokens": n, "prompt_lookup_max": args.spec_ngram_size,
+                   "prompt_lookup_min": args.spec_ngram_min}
+        if cfg:
+            cmd += ["--speculative-config", json.dumps(cfg)]
+        return cmd
+    cmd = ["python", "-m", "sglang.launch_server", "--model-path", target, "--port", str(args.port),
+           "--context-length", str(ctx), "--max-running-requests", str(args.parallel), "--tp-size", str(tp)]
+    if spec in ("draft-mtp", "draft-simple"):
+        cmd += ["--speculative-algorithm", "NEXTN" if spec == "draft-mtp" else "STANDALONE",
+                "--speculative-draft-model-path", draft, "--speculative-num-steps", str(n),
+                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(n + 1)]
+    elif spec == "ngram-simple":
+        cmd += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(n + 1)]
+    return cmd
+
+
+def cmd_export(args) -> int:
+    """``gemmaspec export``: print the command (shell-quoted) on stdout."""
+    from .loader import resolve_models
+    from .loading.hub import resolve
+
+    model_arg, draft_arg = args.model, args.model_draft
+    resolve_models(args)
+    args.target_entry = resolve(model_arg)[1] if model_arg else None
+    args.draft_entry = resolve(draft_arg)[1] if draft_arg else None
+    print(shlex.join(build_command(args)))
+    return 0

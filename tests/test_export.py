@@ -1,0 +1,82 @@
+"""`gemmaspec export`: the printed commands, parsed back, carry the same model, drafter and settings."""
+
+import argparse
+import json
+import shlex
+
+import pytest
+import torch
+from tiny_gemma4 import TARGET, randomize, tiny_assistant
+
+from gemmaspec import cli
+from gemmaspec.export import _gpu_estimate, tensor_parallel
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    root = tmp_path_factory.mktemp("export")
+    randomize(Gemma4ForCausalLM(Gemma4TextConfig(**TARGET)).eval(), 1).to(torch.bfloat16).save_pretrained(root / "t")
+    tiny_assistant().to(torch.bfloat16).save_pretrained(root / "a")
+    return root / "t", root / "a"
+
+
+def _run(capsys, *args):
+    assert cli.main(["export", *args]) == 0
+    return shlex.split(capsys.readouterr().out.strip())
+
+
+def _flags(argv, spec):
+    p = argparse.ArgumentParser(add_help=False)
+    for names, kw in spec:
+        p.add_argument(*names, **kw)
+    ns, rest = p.parse_known_args(argv)
+    return ns, rest
+
+
+def test_llama_server_command(capsys, model_path):
+    argv = _run(capsys, "llama-server", "-m", str(model_path), "-md", str(model_path), "--spec-type", "draft-simple",
+                "--spec-draft-n-max", "5", "-c", "1024", "-np", "2")
+    assert argv[0] == "llama-server"
+    ns, rest = _flags(argv[1:], [(("-m",), {}), (("-md",), {}), (("--spec-type",), {}),
+                                 (("--spec-draft-n-max",), {"type": int}), (("-c",), {"type": int}),
+                                 (("-np",), {"type": int}), (("--port",), {"type": int})])
+    assert not rest
+    assert (ns.m, ns.md, ns.spec_type, ns.spec_draft_n_max, ns.np) == (str(model_path), str(model_path),
+                                                                       "draft-simple", 5, 2)
+    assert ns.c == 1024 * 2  # llama-server's -c is shared by its slots
+
+
+def test_vllm_command_carries_the_assistant_and_draft_length(capsys, dirs):
+    t, a = dirs
+    argv = _run(capsys, "vllm", "-m", str(t), "-md", str(a), "--spec-draft-n-max", "4", "-c", "256", "-np", "3")
+    assert argv[:3] == ["vllm", "serve", str(t)]
+    ns, rest = _flags(argv[3:], [(("--speculative-config",), {"type": json.loads}),
+                                 (("--max-model-len",), {"type": int}), (("--max-num-seqs",), {"type": int}),
+                                 (("--tensor-parallel-size",), {"type": int}), (("--port",), {"type": int})])
+    assert not rest
+    assert ns.speculative_config == {"method": "mtp", "model": str(a), "num_speculative_tokens": 4}
+    assert (ns.max_model_len, ns.max_num_seqs, ns.tensor_parallel_size) == (256, 3, 1)
+
+
+def test_tensor_parallel_grows_with_the_model(capsys, dirs):
+    t, a = dirs
+    small = _run(capsys, "vllm", "-m", str(t), "-md", str(a), "--gpu-mem", "80GiB")
+    need = _gpu_estimate(str(t), str(a), 512, 4)[0]
+    gpu = int(need / 0.9 / 3)  # a third of the need per GPU: 4 GPUs (a power of two dividing the heads)
+    tiny_gpu = _run(capsys, "sglang", "-m", str(t), "-md", str(a), "--gpu-mem", str(gpu), "-c", "512", "-np", "4")
+    assert small[small.index("--tensor-parallel-size") + 1] == "1"
+    tp = int(tiny_gpu[tiny_gpu.index("--tp-size") + 1])
+    assert tp == 4 and TARGET["num_attention_heads"] % tp == 0
+    assert tiny_gpu[tiny_gpu.index("--speculative-draft-model-path") + 1] == str(a)
+    assert tensor_parallel(100, 100, 8) == 2 and tensor_parallel(10, 100, 8) == 1
+
+
+def test_ngram_and_errors(capsys, dirs, model_path):
+    t, _ = dirs
+    argv = _run(capsys, "vllm", "-m", str(t), "--spec-type", "ngram-simple", "--spec-draft-n-max", "3")
+    cfg = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert cfg["method"] == "ngram" and cfg["num_speculative_tokens"] == 3
+    assert cli.main(["export", "llama-server", "-m", str(t)]) == 1  # a directory: llama-server needs GGUF
+    assert "convert" in capsys.readouterr().err

@@ -1,0 +1,116 @@
+"""`gemmaspec pull` against a local fake hub (tests/fake_hub.py) behind HF_ENDPOINT: hashes, resume,
+the catalog's QAT pairing, close matches for unknown names, offline mode. No internet."""
+
+import hashlib
+import os
+import socket
+
+import pytest
+from fake_hub import FakeHub
+
+from gemmaspec import cli
+from gemmaspec.errors import InputError, ModelFileError
+from gemmaspec.loading import catalog, hub
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    h = FakeHub()
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", h.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    yield h
+    h.close()
+
+
+def _files(root):
+    return sorted(p for p in root.rglob("*") if p.is_file() and ".locks" not in p.parts and p.name != "CACHEDIR.TAG")
+
+
+def test_pull_with_the_right_hash_is_cached(fake, tmp_path, monkeypatch):
+    data = os.urandom(200_000)
+    fake.add("acme/m", {"m.gguf": data})
+    [got] = hub.pull("acme/m:m.gguf", sha256=hashlib.sha256(data).hexdigest())
+    assert got.path.read_bytes() == data and got.sha256 == hashlib.sha256(data).hexdigest()
+    n = len(fake.requests)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # cached: found without asking the hub
+    [again] = hub.pull("acme/m:m.gguf")
+    assert again.path == got.path and len(fake.requests) == n
+
+
+def test_wrong_hash_fails_and_leaves_nothing(fake, tmp_path):
+    data = os.urandom(100_000)
+    fake.add("acme/m", {"m.gguf": data})
+    with pytest.raises(ModelFileError) as exc:
+        hub.pull("acme/m:m.gguf", sha256="ab" * 32)
+    msg = str(exc.value)
+    assert "m.gguf" in msg and "ab" * 32 in msg and hashlib.sha256(data).hexdigest() in msg
+    assert _files(tmp_path / "hf") == []
+
+
+def test_catalog_hash_is_checked_whatever_the_repo(fake, tmp_path):
+    name = "gemma-4-E2B-it-qat-assistant-q4_0-exact.gguf"
+    fake.add("someone/drafters", {name: b"not the published drafter"})
+    with pytest.raises(ModelFileError) as exc:
+        hub.pull(f"someone/drafters:{name}")
+    assert catalog.by_file(name).sha256 in str(exc.value)
+    assert _files(tmp_path / "hf") == []
+
+
+def test_interrupted_download_resumes(fake):
+    data = os.urandom(12 << 20)  # more than huggingface_hub's 10 MiB read chunk, so bytes reach the disk first
+    fake.add("acme/m", {"big.gguf": data})
+    fake.cut["big.gguf"] = 11 << 20  # the first GET drops the connection after 11 MiB
+    [got] = hub.pull("acme/m:big.gguf")
+    ranges = [r for m, p, r in fake.requests if m == "GET" and p.endswith("big.gguf")]
+    assert ranges[0] is None and any(r and int(r.split("=")[1].rstrip("-")) > 0 for r in ranges[1:]), ranges
+    assert hashlib.sha256(got.path.read_bytes()).digest() == hashlib.sha256(data).digest()
+
+
+def test_with_assistant_pairs_a_qat_target_with_the_qat_assistant(fake):
+    files = lambda tag: {"config.json": f'{{"model_type": "x", "tag": "{tag}"}}'.encode(),  # noqa: E731
+                         "model.safetensors": os.urandom(1000)}
+    fake.add("google/gemma-4-E2B-it-qat-q4_0-unquantized", files("qat target"))
+    fake.add("google/gemma-4-E2B-it-qat-q4_0-unquantized-assistant", files("qat assistant"))
+    fake.add("google/gemma-4-E2B-it-assistant", files("bf16 assistant"))
+    target, assistant = hub.pull("gemma-4-e2b-it-qat", with_assistant=True)
+    assert assistant.label == "gemma-4-e2b-it-qat-assistant"
+    assert "qat assistant" in (assistant.path / "config.json").read_text()
+    assert not any("E2B-it-assistant" in p for _, p, _ in fake.requests)
+    # the names now resolve to the cached directories, as -m/-md take them
+    assert hub.resolve("gemma-4-e2b-it-qat")[0] == str(target.path)
+    assert hub.resolve("GEMMA-4-E2B-IT-QAT-ASSISTANT")[0] == str(assistant.path)
+
+
+def test_unknown_name_lists_close_matches(fake, capsys):
+    assert cli.main(["pull", "gemma-4-e2b-qat"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "close matches: " in err and "gemma-4-e2b-it-qat" in err
+    with pytest.raises(InputError, match="close matches"):
+        hub.resolve("gemma4-e4b-it")
+
+
+def test_not_downloaded_name_says_which_pull(fake):
+    with pytest.raises(InputError, match="gemmaspec pull gemma-4-31b-it"):
+        hub.resolve("gemma-4-31b-it")
+
+
+def test_offline_answers_at_once_and_lists_the_cache(fake, monkeypatch):
+    fake.add("acme/m", {"m.gguf": b"x" * 1000})
+    hub.pull("acme/m:m.gguf")
+    silent = socket.socket()  # a hub that accepts connections and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        with pytest.raises(ModelFileError) as exc:
+            hub.pull("acme/other:x.gguf")
+        msg = str(exc.value)
+        assert "offline" in msg and "acme/m (m.gguf)" in msg
+        with pytest.raises(ModelFileError, match="offline"):
+            hub.pull("gemma-4-e4b-it-qat-gguf")
+    finally:
+        silent.close()
