@@ -89,52 +89,7 @@ def load_drafter(spec_type: str | None, engine: Engine, draft_model: str | None 
     return drafter_factory(spec_type, engine, draft_model, p_min, ngram_max, ngram_min)[1](engine.cache)
 
 
-SHIPPED = Path(__file__).resolve().parent / "data" / "assistants.json"
-
-
-def shipped_assistant_entry(target_path) -> dict | None:
-    """The entry of ``data/assistants.json`` for the target at ``target_path`` (the assistant gemmaspec
-    ships for it: ``file``, ``n_max``, ``default_spec``, how it was measured), or None when none is
-    shipped for that file. A target is matched by file size and sha256, the sha256 read from the
-    default model's check stamp when the file is the default model (so no 250 MB hash on each start)."""
-    import json
-
-    if not SHIPPED.exists() or target_path is None:
-        return None
-    p = Path(target_path)
-    try:
-        entries = json.loads(SHIPPED.read_text())
-        size = p.stat().st_size
-    except (OSError, ValueError):
-        return None
-    for e in entries:
-        if e.get("target_size") != size:
-            continue
-        stamp = p.with_suffix(".verified.json")  # written by loading.default_model after its check
-        sha = None
-        try:
-            rec = json.loads(stamp.read_text())
-            if rec.get("size") == size and rec.get("mtime_ns") == p.stat().st_mtime_ns:
-                sha = rec.get("sha256")
-        except (OSError, ValueError):
-            pass
-        if sha is None:
-            import hashlib
-
-            h = hashlib.sha256()
-            with open(p, "rb") as f:
-                for block in iter(lambda: f.read(1 << 24), b""):
-                    h.update(block)
-            sha = h.hexdigest()
-        if sha == e.get("target_sha256") and (SHIPPED.parent / e["file"]).exists():
-            return e | {"path": str(SHIPPED.parent / e["file"])}
-    return None
-
-
-def shipped_assistant(target_path) -> str | None:
-    """Path of the MTP assistant shipped for the target at ``target_path``, or None."""
-    e = shipped_assistant_entry(target_path)
-    return e["path"] if e else None
+from .loading.shipped import shipped_assistant, shipped_assistant_entry  # noqa: E402,F401
 
 
 def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | None = None, p_min: float = 0.0,

@@ -71,6 +71,11 @@ def cached_snapshot(repo: str, revision: str | None = None, s: HubSettings | Non
 def cached_path(entry: Entry, revision: str | None = None, s: HubSettings | None = None) -> Path | None:
     """Where a catalog entry lies in the cache (its file, or its snapshot directory when that holds a
     config.json), or None when it is not cached. The default model: its assembled file."""
+    if entry.package == "gemmaspec":  # shipped inside this package (src/gemmaspec/data/)
+        from .shipped import SHIPPED
+
+        p = SHIPPED.parent / entry.file
+        return p if p.exists() else None
     if entry.package:
         from .default_model import default_model_path
 
@@ -229,6 +234,11 @@ def _pick_file(entry: Entry, revision: str | None, s: HubSettings) -> str:
 def _pull_entry(entry: Entry, revision: str | None, sha256: str | None, s: HubSettings) -> Pulled:
     if entry.placeholder:
         raise InputError(f"{entry.name} is listed but not available: {entry.note}")
+    if entry.package == "gemmaspec":
+        path = cached_path(entry)
+        if path is None:
+            raise InputError(f"{entry.name} ships inside gemmaspec but {entry.file} is missing from this installation")
+        return Pulled(entry.name, path, None)
     if entry.package:
         from .default_model import default_model_path
 
