@@ -118,3 +118,67 @@ def test_real_q4_0_bytes_round_trip_byte_identical():
     r = pack_exact(deq, mantissa_bits=23)
     assert r.on_grid.all() and r.exact.sum() == deq.size
     assert np.array_equal(r.q4_0_bytes().reshape(q4.shape), q4)
+
+
+def _exact_qat_blocks(rng, n_blocks, kind):
+    """Synthetic QAT blocks that an fp16 step reproduces bit for bit: per block a step s that bf16 (and
+    fp16) holds exactly and levels in [-8, 7], values bf16(s·level); only blocks where every value is
+    exactly s·level are kept (checked, not assumed). Returns (float32 [n, 32] values, s, levels)."""
+    if kind == "uniform":  # the peak mostly on -8 or 7
+        lv = rng.integers(-8, 8, (n_blocks, 32))
+    elif kind == "narrow":  # the peak below level 6: a random level range [lo, hi] inside [-5, 5]
+        lo, hi = rng.integers(-5, 1, (n_blocks, 1)), rng.integers(0, 6, (n_blocks, 1))
+        lv = lo + np.floor(rng.random((n_blocks, 32)) * (hi - lo + 1)).astype(int)
+    elif kind == "gauss":  # trained weights: most levels near 0
+        lv = np.clip(np.rint(rng.normal(0, rng.uniform(0.5, 2.5), (n_blocks, 32))), -8, 7).astype(int)
+    elif kind == "few":  # 1-3 distinct levels (zero included or not)
+        choices = rng.integers(-8, 8, (n_blocks, 3))
+        lv = np.take_along_axis(choices, rng.integers(0, rng.integers(1, 4), (n_blocks, 32)), axis=1)
+    elif kind == "one_sign":  # only negative or only positive levels
+        lv = rng.integers(1, 8, (n_blocks, 32)) * rng.choice([-1, 1], (n_blocks, 1))
+    elif kind == "zero":
+        lv = np.zeros((n_blocks, 32), int)
+    lv = lv * rng.choice([-1, 1], (n_blocks, 1)) if kind in ("narrow", "gauss") else lv
+    lv = np.clip(lv, -8, 7)
+    bits = rng.integers(1, 9, (n_blocks, 1))  # the step's significant bits (bf16 holds 8)
+    mant = rng.integers(2 ** (bits - 1), 2**bits)
+    if rng.random() < 0.2:  # fp16 subnormal steps: multiples of 2^-24
+        s = (mant * 2.0**-24).astype(np.float32)
+    else:
+        s = (mant * 2.0 ** (rng.integers(-13, 3, (n_blocks, 1)) - bits)).astype(np.float32)
+    w = _bf16(s * lv)
+    ok = (w.astype(np.float64) == s.astype(np.float64) * lv).all(axis=1)
+    assert (s.astype(np.float16).astype(np.float32) == s).all()  # fp16 holds every step
+    return w[ok], s[ok], lv[ok]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1),
+       kind=st.sampled_from(["uniform", "narrow", "gauss", "few", "one_sign", "zero"]))
+def test_finds_a_bit_exact_step_whenever_one_exists(seed, kind):
+    """Every block that some fp16 step reproduces bit for bit comes back 100 % bit-exact, whatever level
+    the peak sits on, with the C packer and the numpy reference making the same choice bit for bit."""
+    rng = np.random.default_rng(seed)
+    w, s, lv = _exact_qat_blocks(rng, 400, kind)
+    assert w.shape[0] > 20
+    a, b = pack_exact(w, backend="numpy"), pack_exact(w, backend="c")
+    for r in (a, b):
+        assert (r.exact == 32).all() and (r.max_err_ulp == 0).all() and r.on_grid.all()
+        recon = r.d.astype(np.float32)[:, None] * r.levels.astype(np.float32)
+        assert np.array_equal(recon, w)
+        assert (r.levels >= -8).all() and (r.levels <= 7).all()
+    assert np.array_equal(a.d.view(np.uint16), b.d.view(np.uint16)) and np.array_equal(a.levels, b.levels)
+    assert np.array_equal(a.q4_0_bytes(), b.q4_0_bytes())
+
+
+@pytest.mark.parametrize("backend", ["c", "numpy"])
+def test_exact_step_with_the_peak_on_a_middle_level(backend):
+    """Levels -2..2 of the step 2^-6: at the outer levels, d = f16(peak / 6) reproduces every value within
+    1 ulp but only 9 of them bit-exactly (what the search kept before); d = peak / 2 reproduces all 32."""
+    s = np.float32(2.0**-6)
+    lv = np.array([2, -2, 1, -1, 0, 1, 2, -1] * 4)
+    w = (s * lv).astype(np.float32)[None, :]
+    assert np.array_equal(_bf16(w), w)
+    r = pack_exact(w, backend=backend)
+    assert r.exact[0] == 32 and r.max_err_ulp[0] == 0
+    assert np.array_equal(r.d.astype(np.float32)[:, None] * r.levels.astype(np.float32), w)

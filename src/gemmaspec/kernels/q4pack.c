@@ -6,10 +6,12 @@
  * block (summed in numpy's pairwise order, so the fp16 rounding matches bit for bit), then the fp16
  * steps f16(s), f16(s_ls) and its two fp16 neighbours are scored by the float32 reconstruction d*k
  * against the source: within tolerance of every value beats not; then more bit-exact values; then
- * the smaller worst error (in units of the source's last place).
+ * the smaller worst error (in units of the source's last place). Levels -8, 7, -7, 6, -6 first; the
+ * others only on a block off the grid (full scoring) or on the grid but not all bit-exact (then only
+ * an fp16 step peak / k reproducing every value bit-exactly is taken: exact_step).
  *
  * Built with -O3 -march=native -ffp-contract=off (no fused multiply-adds, so float results equal
- * numpy's), OpenMP over blocks.
+ * numpy's), blocks spread over gemmaspec's thread pool (pool.h).
  */
 #include <math.h>
 #include <stdint.h>
@@ -130,6 +132,26 @@ static void try_level(const float *v, const double *v64, const double *inv_ulp, 
     }
 }
 
+/* The exact fit with the peak on level k, if there is one: d = f16(peak / k) such that every value is
+ * d * rint(v / d) bit for bit with the level in [-8, 7]. Any bit-exact fit is of this form (the peak is
+ * d * k for its own level k, and the correctly rounded quotient peak / k is then d itself). */
+static int exact_step(const float *v, double peak, int k, best_t *b) {
+    uint16_t h = f64_to_f16(peak / (double)k);
+    float d = f16_to_f32(h);
+    if ((double)d * (double)k != peak) return 0;  /* the peak is not on level k of an fp16 step */
+    int8_t l[QK];
+    for (int i = 0; i < QK; i++) {
+        double q = rint((double)v[i] / (double)d);
+        if (!(q >= -8.0 && q <= 7.0) || d * (float)q != v[i]) return 0;
+        l[i] = (int8_t)q;
+    }
+    b->d = h;
+    memcpy(b->l, l, QK);
+    b->exact = QK;
+    b->err = 0.0;
+    return 1;
+}
+
 static const int STAGE1[] = {-8, 7, -7, 6, -6};
 static const int STAGE2[] = {5, 4, 3, 2, 1, -1, -2, -3, -4, -5};
 
@@ -192,6 +214,13 @@ static void pack_task(void *ctx, int t) {
             for (int j = 0; j < 5 && b.exact < QK; j++) try_level(x, v64, inv_ulp, peak, STAGE1[j], tol, &b);
             if (!(b.err <= tol))
                 for (int j = 0; j < 10 && b.exact < QK; j++) try_level(x, v64, inv_ulp, peak, STAGE2[j], tol, &b);
+            else if (b.exact < QK) { /* on the grid, not all bit-exact: an exact fit on the other levels? */
+                double m = amax;                  /* the smallest nonzero magnitude: an exact fit's |d| <= m, */
+                for (int i = 0; i < QK; i++)      /* so |k| * m >= amax (a skipped k could not fit: same choice) */
+                    if (v64[i] != 0.0 && fabs(v64[i]) < m) m = fabs(v64[i]);
+                for (int j = 0; j < 10 && b.exact < QK; j++)
+                    if (fabs((double)STAGE2[j]) * m >= amax) exact_step(x, peak, STAGE2[j], &b);
+            }
             if (b.exact < 0) b.exact = 0;
         }
         float dq = f16_to_f32(b.d);

@@ -10,7 +10,11 @@ silently). Here each block's step is recovered instead: for every level k the pe
 (±1..±8, sign free, as ggml's d may be negative), take s = peak/k, round every value to its level,
 refine s by least squares over the block, round d to fp16, and measure the reconstruction d·k
 (float32) against the source: candidates within ``tolerance_ulp`` of every value beat those that are
-not; among them the most bit-exact values win, then the smaller error, then the finer step.
+not; among them the most bit-exact values win, then the smaller error, then the finer step. Levels
+-8, 7, -7, ±6 are scored on every block; the rest on a block still off the grid, and on a block on the
+grid but not all bit-exact only as a bit-exact fit (d = peak / k reproducing every value exactly).
+Whenever some fp16 step reproduces all 32 values bit for bit, the search finds one: in such a fit the
+peak is d·k for its own level k, so d = peak / k exactly (docs/quantize.md gives the argument).
 A block whose reconstruction misses a value by more than ``tolerance_ulp`` units in the source's last
 place fits no grid and is reported off-grid.
 
@@ -32,6 +36,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 QK, Q4_0_BYTES = GGML_QUANT_SIZES[T.Q4_0]  # 32 values per block in 18 bytes
+_STAGE1 = (-8, 7, -7, 6, -6)  # peak levels tried on every block (finer steps first)
+_STAGE2 = (5, 4, 3, 2, 1, -1, -2, -3, -4, -5)  # the others
 
 
 @dataclass
@@ -107,6 +113,27 @@ def _search(v, v64, u, peak, ks, tolerance_ulp, start=None):
     return best_d, best_l, best_exact, best_err
 
 
+def _exact_steps(v, peak, ks):
+    """Per block, the first level k of ``ks`` whose step d = peak / k is an fp16 number reproducing all
+    32 values bit-exactly (levels rint(v / d) in [-8, 7], d·level == v in float32): (found bool [B],
+    d float16 [B], levels int8 [B, 32]). Every exact fit is one of these: in an exact fit the peak is
+    d·k for its own level k, so d = peak / k exactly, and the division (correctly rounded, the quotient
+    representable) gives it bit for bit."""
+    b = v.shape[0]
+    found, best_d, best_l = np.zeros(b, dtype=bool), np.zeros(b, dtype=np.float16), np.zeros((b, QK), dtype=np.int8)
+    for k in ks:
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            d = (peak / k).astype(np.float16)
+            d32 = d.astype(np.float32)
+            levels = np.rint(v.astype(np.float64) / d.astype(np.float64)[:, None])
+            hit = ((levels >= -8) & (levels <= 7) & (d32[:, None] * levels.astype(np.float32) == v)).all(axis=1)
+        hit &= (d.astype(np.float64) * k == peak) & ~found  # the peak on level k itself (as the C kernel asks)
+        found |= hit
+        best_d = np.where(hit, d, best_d)
+        best_l = np.where(hit[:, None], np.where(hit[:, None], levels, 0).astype(np.int8), best_l)
+    return found, best_d, best_l
+
+
 _lib, _lib_tried, _lock = None, False, threading.Lock()
 
 
@@ -152,7 +179,7 @@ def pack_exact(w: np.ndarray, mantissa_bits: int = 7, tolerance_ulp: float = 1.0
         tolerance_ulp: a block is on-grid when every value is reproduced within this many ulps.
         backend: ``"c"`` (``kernels/q4pack.c``), ``"numpy"`` (the reference) or ``"auto"`` (C when it
             can be compiled).
-        threads: OpenMP threads for the C backend (default: all cores).
+        threads: threads for the C backend (default: all cores).
 
     Raises:
         ValueError: K not a multiple of 32, or NaN/Inf in the source.
@@ -174,12 +201,19 @@ def pack_exact(w: np.ndarray, mantissa_bits: int = 7, tolerance_ulp: float = 1.0
     u = ulp(v, mantissa_bits)
     # the peak of a trained block nearly always sits on the outermost levels: try those on every block,
     # then every other level only on the blocks still off the grid (same choice, several times faster)
-    best_d, best_l, best_exact, best_err = _search(v, v64, u, peak, (-8, 7, -7, 6, -6), tolerance_ulp)
+    best_d, best_l, best_exact, best_err = _search(v, v64, u, peak, _STAGE1, tolerance_ulp)
     rest = np.nonzero(best_err > tolerance_ulp)[0]
+    # within tolerance but not every value bit-exact: an exact fit may still sit on the other levels (a
+    # block whose peak is below level 6, e.g. few distinct values); only d = peak / k can be one
+    near = np.nonzero((best_err <= tolerance_ulp) & (best_exact < QK) & (peak != 0))[0]
     if rest.size:
-        d2, l2, e2, r2 = _search(v[rest], v64[rest], u[rest], peak[rest], (5, 4, 3, 2, 1, -1, -2, -3, -4, -5),
+        d2, l2, e2, r2 = _search(v[rest], v64[rest], u[rest], peak[rest], _STAGE2,
                                  tolerance_ulp, (best_d[rest], best_l[rest], best_exact[rest], best_err[rest]))
         best_d[rest], best_l[rest], best_exact[rest], best_err[rest] = d2, l2, e2, r2
+    if near.size:
+        found, d3, l3 = _exact_steps(v[near], peak[near], _STAGE2)
+        hit = near[found]
+        best_d[hit], best_l[hit], best_exact[hit], best_err[hit] = d3[found], l3[found], QK, 0.0
     zero = peak == 0  # all-zero block: d = 0, every level 0, exact
     best_d[zero], best_l[zero], best_exact[zero], best_err[zero] = 0, 0, QK, 0.0
     on_grid = (best_exact >= 0) & (best_err <= tolerance_ulp)
