@@ -127,3 +127,28 @@ def test_a_reduced_head_map_outside_the_vocabulary_is_refused(target, chunks, tm
     export_gguf(model.config, w, tmp_path / "bad.gguf", "f32")
     with pytest.raises(ModelFileError, match="outside the target vocabulary"):
         load_checkpoint(tmp_path / "bad.gguf", role="assistant")
+
+
+def test_qat_q4_0_run_exports_exact_q4_0(target, chunks, tmp_path):
+    """``--qat q4_0``: every exported matrix lies on the Q4_0 grid, the Q4_0 GGUF holds the trained values
+    bit for bit (the export checks it), and it drafts as the module does."""
+    from gemmaspec.training.qat import q4_0_grid_report
+
+    s = TrainSettings(steps=4, qat="q4_0", **SETTINGS)
+    model, _ = train(target, chunks, tmp_path / "q", s, progress=False)
+    w = model.gguf_weights()
+    mats = {k: v for k, v in w.items() if v.dim() == 2}
+    assert mats and all(q4_0_grid_report(v) == 1.0 for v in mats.values())
+    res = export_gguf(model.config, w, tmp_path / "q.gguf", "q4_0")
+    assert res["types"].get("Q4_0") == len(mats)
+    loaded = load_checkpoint(tmp_path / "q.gguf", role="assistant").model
+    for name, v in mats.items():
+        assert torch.equal(loaded.weights[name].dequantize(), v), name
+
+
+def test_q4_0_export_of_off_grid_weights_is_refused(target, chunks, tmp_path):
+    from gemmaspec.errors import InputError
+
+    model, _ = train(target, chunks, tmp_path / "f", TrainSettings(steps=1, **SETTINGS), progress=False)
+    with pytest.raises(InputError, match="not on the Q4_0 grid"):
+        export_gguf(model.config, model.gguf_weights(), tmp_path / "f.gguf", "q4_0")

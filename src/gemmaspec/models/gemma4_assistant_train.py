@@ -53,8 +53,8 @@ class TrainableAssistant(nn.Module):
         def lin(n_out, n_in):
             return nn.Parameter(torch.randn(n_out, n_in, generator=g) / math.sqrt(n_in))
 
-        def ones(n):
-            return nn.Parameter(torch.ones(n))
+        def ones(n, value=1.0):
+            return nn.Parameter(torch.full((n,), value))
 
         p = {"nextn.pre_projection.weight": lin(h, 2 * hb), "nextn.post_projection.weight": lin(hb, h),
              "output_norm.weight": ones(h), "token_embd.weight": nn.Parameter(torch.randn(n_draft, h, generator=g) * 0.02)}
@@ -62,7 +62,9 @@ class TrainableAssistant(nn.Module):
             d = c.layer_head_dim(i)
             b = f"blk.{i}."
             p.update({b + "attn_norm.weight": ones(h), b + "attn_q.weight": lin(c.num_heads * d, h),
-                      b + "attn_q_norm.weight": ones(d), b + "attn_output.weight": lin(h, c.num_heads * d),
+                      # attention scale is 1 (Gemma 4): the query norm starts at 1/sqrt(d), so the first
+                      # scores over the target's keys are those of ordinary scaled attention, not 16x sharper
+                      b + "attn_q_norm.weight": ones(d, d ** -0.5), b + "attn_output.weight": lin(h, c.num_heads * d),
                       b + "post_attention_norm.weight": ones(h), b + "ffn_norm.weight": ones(h),
                       b + "ffn_gate.weight": lin(c.intermediate_size, h), b + "ffn_up.weight": lin(c.intermediate_size, h),
                       b + "ffn_down.weight": lin(h, c.intermediate_size), b + "post_ffw_norm.weight": ones(h)})
