@@ -144,7 +144,8 @@ def run(args) -> int:
             gguf = getattr(ours, "model_path", None) or s["model"]
             if gguf is None:
                 raise InputError("--peer llama.cpp with --url needs -m MODEL.gguf: the GGUF llama.cpp should load")
-            targets.append(LlamaCppTarget(gguf, s["threads"] or _threads(), s.get("ctx_size", 2048)))
+            targets.append(LlamaCppTarget(gguf, s["threads"] or _threads(), s.get("ctx_size", 2048),
+                                          encode=getattr(ours, "encode", None)))
         elif s["peer_url"]:
             targets.append(UrlTarget(s["peer_url"], args.peer_api_key, None, name="peer"))
         configs = [Config(s["spec_types"][0], 0)] + [Config(t, n) for t in s["spec_types"] for n in s["n_max"] if n != 0]

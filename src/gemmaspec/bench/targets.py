@@ -378,39 +378,46 @@ LLAMA_WORKER = r'''
 import json, sys, time
 from llama_cpp import Llama
 a = json.loads(sys.argv[1])
-llm = Llama(model_path=a["model"], n_threads=a["threads"], n_threads_batch=a["threads"], n_ctx=a["ctx"],
-            verbose=False, seed=0)
-eos = [llm.token_eos()]
-eot = llm.tokenize(b"<end_of_turn>", add_bos=False, special=True)
-if len(eot) == 1:
-    eos.append(eot[0])
+llms = {}
+def get(spec):  # llama-cpp-python's draft path needs logits for every position: a second instance (weights mmapped, shared)
+    if spec not in llms:
+        llms[spec] = Llama(model_path=a["model"], n_threads=a["threads"], n_threads_batch=a["threads"], n_ctx=a["ctx"],
+                           verbose=False, seed=0, logits_all=spec)
+    return llms[spec]
+get(False)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     r = json.loads(line)
-    llm.draft_model = None
+    llm = get(bool(r["n_max"]))
+    llm.reset()  # no prompt-prefix reuse between requests (gemmaspec prefills every request too)
     if r["n_max"]:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         llm.draft_model = LlamaPromptLookupDecoding(num_pred_tokens=r["n_max"])
-    if r.get("messages"):
+    eos = [llm.token_eos()] + [t for t in llm.tokenize(b"<end_of_turn>", add_bos=False, special=True)][:1]
+    if r.get("ids"):
+        ids = r["ids"]
+    elif r.get("messages"):
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
         fmt = Jinja2ChatFormatter(template=llm.metadata.get("tokenizer.chat_template", ""), eos_token="<eos>",
                                   bos_token="<bos>")
-        text = fmt(messages=r["messages"]).prompt
-        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+        ids = llm.tokenize(fmt(messages=r["messages"]).prompt.encode(), add_bos=False, special=True)
     else:
         ids = llm.tokenize(r["prompt"].encode(), add_bos=True, special=True)
     bias = {t: -1e9 for t in eos}
-    t0 = time.perf_counter(); arrivals = []; toks = []; out = []
-    for c in llm.create_completion(ids, max_tokens=r["max_tokens"], temperature=r["temp"], top_k=1 if r["temp"] == 0 else 40,
-                                   seed=r["seed"], stream=True, logit_bias=bias):
-        arrivals.append([time.perf_counter() - t0, 1]); out.append(c["choices"][0]["text"])
+    t0 = time.perf_counter(); arrivals = []; out = []
+    for c in llm.create_completion(ids, max_tokens=r["max_tokens"], temperature=r["temp"],
+                                   top_k=1 if r["temp"] == 0 else 40, seed=r["seed"], stream=True, logit_bias=bias):
+        ch = c["choices"][0]
+        if ch.get("finish_reason") is None or ch["text"]:
+            arrivals.append([time.perf_counter() - t0, 1]); out.append(ch["text"])
     print(json.dumps({"arrivals": arrivals, "text": "".join(out), "prompt_tokens": len(ids)}), flush=True)
 '''
 
 
 class LlamaCppTarget:
     """llama.cpp on the same GGUF through llama-cpp-python, in a worker process of its own virtual
-    environment (``benchmarks/common.py`` installs it; nothing is built here). One sequence at a time
+    environment (``benchmarks/common.py`` installs it; nothing is built here), given the prompt's token
+ids as gemmaspec's tokenizer and chat template make them when ``encode`` is given. One sequence at a time
     (users > 1 are not run for it); speculation is its prompt-lookup decoding
     (``LlamaPromptLookupDecoding``, an n-gram drafter) with ``num_pred_tokens = n_max``.
 
@@ -421,9 +428,10 @@ class LlamaCppTarget:
     name = "llama.cpp"
     single_user = True
 
-    def __init__(self, model, threads: int, ctx: int, python: str | None = None):
+    def __init__(self, model, threads: int, ctx: int, python: str | None = None, encode=None):
         from ..paths import cache_home
 
+        self.encode = encode  # Prompt -> token ids (ours), so both engines run the very same input
         py = Path(python) if python else cache_home() / "bench" / "llama-venv" / "bin" / "python"
         if not py.exists():
             raise InputError(f"--peer llama.cpp needs llama-cpp-python in {py.parent.parent} (install it with "
@@ -444,6 +452,7 @@ class LlamaCppTarget:
                 stop: threading.Event | None = None) -> dict:
         n = 0 if n_max == 0 else (3 if n_max == "auto" else int(n_max))
         msg = {"prompt": p.prompt, "messages": p.message_dicts() if p.messages else None, "n_max": n,
+               "ids": self.encode(p) if self.encode else None,
                "max_tokens": max_tokens, "temp": temp, "seed": seed}
         with self.lock:
             self.proc.stdin.write(json.dumps(msg) + "\n")
@@ -459,7 +468,9 @@ class LlamaCppTarget:
 
     def describe(self) -> dict:
         return {"kind": "llama-cpp-python", "name": self.name, "model": self.model, "version": self.version,
-                "speculation": "prompt-lookup decoding (num_pred_tokens = n_max; auto = 3)"}
+                "speculation": "llama-cpp-python's prompt-lookup decoding (Python; num_pred_tokens = n_max, auto = 3; "
+                               "runs on a second instance with logits for every position)",
+                "input": "gemmaspec's token ids" if self.encode else "llama.cpp's tokenizer"}
 
     def close(self):
         if self.proc.poll() is None:
