@@ -387,3 +387,21 @@ def test_in_process_tiny_run_writes_everything(tmp_path, capsys, monkeypatch):
     finally:
         for s in target.schedulers.values():
             s.close()
+
+
+def test_url_mode_against_gemmaspec_serve(tmp_path, capsys, server):
+    """Our own server: acceptance from each response's ``timings``; ``speculative.n_max: 0`` turns
+    drafting off per request; greedy outputs identical with and without."""
+    suite = _write(tmp_path, [{"kind": "rewrite", "prompt": "Repeat: one two three four. Repeated: one two"}])
+    out = tmp_path / "out"
+    rc = main(["bench", "--url", server.url, "--suite", str(suite), "--spec-draft-n-max", "2", "--users", "1,2",
+               "--repeats", "1", "--max-tokens", "6", "--out", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((out / "results.json").read_text())
+    assert res["targets"][0]["metrics"] is True and res["targets"][0]["props"]["speculative"]["type"] == "ngram-simple"
+    assert len(res["phases"]) == 4
+    for ph in res["phases"]:
+        for r in ph["requests"]:
+            assert r["completion_tokens"] == 6 and r["spec"]["source"] == "timings"
+            assert (r["spec"]["draft_n"] > 0) == (ph["n_max"] != 0)
+    assert res["lossless"] == []
