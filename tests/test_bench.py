@@ -73,6 +73,13 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "unknown kind" in _one_line_error(capsys, ["bench", "--kinds", "nope", "--out", str(tmp_path / "o")])
     err = _one_line_error(capsys, ["bench", "--url", "http://127.0.0.1:1", "--out", str(tmp_path / "o")])
     assert "cannot reach http://127.0.0.1:1" in err
+    assert "give -m/-md" in _one_line_error(capsys, ["bench", "--url", "http://x", "-m", "m.gguf", "--out", "o"])
+    assert "--spec-type must name" in _one_line_error(capsys, ["bench", "--spec-type", "none", "--out", "o"])
+
+
+def test_draft_type_without_its_file_is_one_line_error(tmp_path, capsys):
+    err = _one_line_error(capsys, ["bench", "--spec-type", "draft-mtp", "--kinds", "qa", "--out", str(tmp_path)])
+    assert "--spec-type draft-mtp needs an MTP assistant as -md" in err
 
 
 # -- figures from known data -------------------------------------------------------------------------

@@ -28,7 +28,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     src = b.add_argument_group("what to measure (-m, or --url)")
     src.add_argument("-m", "--model", default=None, help="GGUF model or checkpoint directory, run in this process "
                                                          "(default: the embedded Gemma 3 270M)")
-    src.add_argument("-md", "--model-draft", default=None, help="draft model or MTP assistant for draft-simple/draft-mtp")
+    src.add_argument("-md", "--model-draft", action="append", default=[],
+                     help="draft model (draft-simple) or MTP assistant (draft-mtp); may be given twice, one of each")
     src.add_argument("--url", default=None, help="an OpenAI-compatible server instead (gemmaspec serve, llama-server, "
                                                  "vLLM, SGLang), e.g. http://127.0.0.1:8080")
     src.add_argument("--api-key", default=None, help="the server's API key (sent as 'Authorization: Bearer KEY')")
@@ -39,7 +40,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--prompts-per-kind", type=int, default=None, help="first N prompts of each kind (default: all)")
     b.add_argument("--spec-type", default=None,
                    help=f"comma-separated drafters to measure ({', '.join(t for t in SPEC_TYPES if t != 'none')}; "
-                        "default: 'default' in-process, a label with --url)")
+                        "default: the -md files' types, else 'default' in-process; a label with --url)")
     b.add_argument("--spec-draft-n-max", default="0,1,2,3,4,auto",
                    help="draft lengths to sweep; 0 (no speculation, the baseline) is always run (default 0,1,2,3,4,auto)")
     b.add_argument("--users", default="1,2,4,8", help="concurrent users to sweep (default 1,2,4,8)")
@@ -92,7 +93,7 @@ def parse_settings(args) -> dict:
     if args.spec_type:
         types = [t.strip() for t in args.spec_type.split(",") if t.strip()]
     else:
-        types = ["server"] if args.url else ["default"]
+        types = ["server"] if args.url else [] if args.model_draft else ["default"]  # []: the -md files' types
     if not args.url:
         bad = [t for t in types if t not in SPEC_TYPES or t == "none"]
         if bad:
@@ -138,6 +139,8 @@ def run(args) -> int:
             ours = InProcessTarget(s["model"], s["model_draft"], s["spec_types"], max(s["users"]), ctx,
                                    s["threads"], s["device"])
             s["spec_types"] = ours.spec_types
+            if not ours.spec_types:
+                raise InputError("nothing to compare: give --spec-type or -md")
             s["ctx_size"] = ctx
         targets.append(ours)
         if s["peer"] == "llama.cpp":

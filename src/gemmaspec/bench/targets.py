@@ -69,35 +69,50 @@ class InProcessTarget:
 
     Args:
         model: GGUF / checkpoint path (None: the default model).
-        draft: ``-md`` path or None.
-        spec_types: speculative types to measure (``--spec-type``), e.g. ``["ngram-simple"]``.
+        drafts: ``-md`` paths (draft models and/or MTP assistants); each serves the type its role
+            gives (an assistant ``draft-mtp``, a model ``draft-simple``).
+        spec_types: speculative types to measure (``--spec-type``), e.g. ``["ngram-simple"]``; empty:
+            the types of ``drafts``.
         n_slots: concurrent requests (the largest user count).
         ctx_size: context per slot, tokens.
         threads, device: as for ``gemmaspec generate``.
 
     Raises:
-        GemmaspecError: the model or drafter cannot be loaded.
+        GemmaspecError: the model or a drafter cannot be loaded; a draft type without its ``-md``.
     """
 
     name = "gemmaspec"
 
-    def __init__(self, model, draft, spec_types: list[str], n_slots: int, ctx_size: int, threads=None,
+    def __init__(self, model, drafts, spec_types: list[str], n_slots: int, ctx_size: int, threads=None,
                  device="cpu"):
         from ..loader import drafter_factory, load_engine
         from ..loading.default_model import default_model_path
 
         self.model_path = Path(model) if model else default_model_path()
-        self.draft_path = Path(draft) if draft else None
+        self.draft_paths = [Path(d) for d in drafts or []]
         self.engine = load_engine(self.model_path, ctx_size=ctx_size, device=device, threads=threads)
+        by_type = {}
+        for d in self.draft_paths:
+            real, make = drafter_factory(None, self.engine, str(d))
+            if real in by_type:
+                raise InputError(f"two -md files for {real}: give one draft model and/or one assistant")
+            by_type[real] = (make, d)
         self.schedulers = {}
         self.spec_types = []
-        for st in spec_types:
-            real, make = drafter_factory(st, self.engine, str(draft) if draft and st in ("draft-simple", "draft-mtp")
-                                         else None)
-            self.spec_types.append(real)
-            self.schedulers[real] = self._start(make, n_slots)
-        if any(s.batched is False for s in self.schedulers.values()):
-            pass  # a model without forward_batch: the slots take turns (the scheduler says so in /props)
+        self.drafts = {}
+        for st in spec_types or list(by_type):
+            if st in ("draft-simple", "draft-mtp"):
+                if st not in by_type:
+                    what = "an MTP assistant" if st == "draft-mtp" else "a draft model"
+                    have = f" (-md gave {', '.join(by_type)})" if by_type else ""
+                    raise InputError(f"--spec-type {st} needs {what} as -md{have}")
+                (make, d), real = by_type[st], st
+                self.drafts[real] = str(d)
+            else:
+                real, make = drafter_factory(st, self.engine, None)
+            if real not in self.schedulers:
+                self.spec_types.append(real)
+                self.schedulers[real] = self._start(make, n_slots)
 
     def _start(self, make, n_slots):
         from ..server.scheduler import Scheduler
@@ -176,8 +191,7 @@ class InProcessTarget:
         e = self.engine
         return {"kind": "in-process", "name": "gemmaspec", "model": str(self.model_path),
                 "model_sha256": file_sha256(self.model_path),
-                "draft": str(self.draft_path) if self.draft_path else None,
-                "draft_sha256": file_sha256(self.draft_path) if self.draft_path else None,
+                "drafts": {t: {"path": d, "sha256": file_sha256(d)} for t, d in self.drafts.items()},
                 "spec_types": self.spec_types, "ctx_size": e.ctx_size, "device": str(e.model.device),
                 "threads": _torch_threads(),
                 "batched": all(s.batched for s in self.schedulers.values())}
