@@ -283,9 +283,7 @@ class UrlTarget:
 
         if not re.match(r"^https?://", url):
             raise InputError(f"--url must start with http:// or https:// (got {url})")
-        self.url = url.rstrip("/")
-        if self.url.endswith("/v1"):
-            self.url = self.url[:-3]
+        self.url = url.rstrip("/").removesuffix("/v1")
         self.name = name
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=timeout, headers=self.headers)
