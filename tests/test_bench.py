@@ -282,7 +282,8 @@ def test_url_mode_against_a_fake_server(tmp_path, capsys, small_suite, style):
         assert len(ph["requests"]) == n_req
         for r in ph["requests"]:
             assert r["completion_tokens"] == (4 if (ph["kind"], r["index"]) == ("a", 1) else 6)
-    s = analyze.summarize(res)
+    s = res["summary"]  # the figures as results.json holds them
+    assert s == json.loads(json.dumps(analyze.summarize(res)))
     for c in s["cells"]:
         toks = sum(r["completion_tokens"] for ph in res["phases"] if _in(ph, c) for r in ph["requests"])
         assert c["completion_tokens"] == toks
@@ -295,6 +296,15 @@ def test_url_mode_against_a_fake_server(tmp_path, capsys, small_suite, style):
                 assert c["spec"]["acceptance_per_pos"] == pytest.approx([1.0])
         base = _cell(s, "none", c["kind"], c["users"], "server")
         assert c["speedup_aggregate"] == pytest.approx(c["aggregate_tps"] / base["aggregate_tps"])
+    for kind, cr in s["crossover"]["server"].items():  # the crossover follows from the stored speedups
+        best = {}
+        for c in s["cells"]:
+            if c["kind"] == kind and c["config"] != "none":
+                best[c["users"]] = max(best.get(c["users"], 0), c["speedup_aggregate"])
+        assert {int(u): b[1] for u, b in cr["best"].items()} == pytest.approx(best)
+        pays = [u for u in sorted(best) if best[u] > 1.0]
+        assert cr["stops_at"] == (None if pays and pays[-1] == max(best) else
+                                  min(u for u in best if not pays or u > pays[-1]))
     per_rep = {}
     for ph in res["phases"]:
         if (ph["config"], ph["kind"], ph["users"]) == ("server n=2", "a", 2):

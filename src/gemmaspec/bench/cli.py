@@ -56,7 +56,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("-c", "--ctx-size", type=int, default=None, help="context per slot in-process (default: enough "
                                                                      "for the longest prompt + --max-tokens)")
     b.add_argument("-t", "--threads", type=int, default=None, help="CPU threads in-process (default: physical cores)")
-    b.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"], help="in-process device (default cpu)")
+    b.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="in-process device (default auto: CUDA when PyTorch sees a GPU)")
     b.add_argument("--out", required=True, help="directory for results.json, report.md and the plots")
     b.add_argument("--label", default=None, help="a line shown at the top of report.md (e.g. 'smoke run')")
     b.add_argument("--report-only", action="store_true", help="redraw report.md and the plots from OUT/results.json")
@@ -110,7 +111,7 @@ def parse_settings(args) -> dict:
 
 
 def run(args) -> int:
-    from .analyze import lossless
+    from .analyze import lossless, summarize
     from .report import load_results, write_report
     from .run import Config, sweep, write_json
     from .suite import load_suite
@@ -122,7 +123,9 @@ def run(args) -> int:
             results = load_results(out)
         except (OSError, ValueError) as exc:
             raise InputError(f"cannot read {out / 'results.json'}: {exc}") from None
-        write_report(out, results)
+        results["summary"] = summarize(results)
+        write_json(out / "results.json", results)
+        write_report(out, results, results["summary"])
         print(f"wrote {out / 'report.md'} and the plots", file=sys.stderr)
         return 0
     s = parse_settings(args)
@@ -167,8 +170,9 @@ def run(args) -> int:
                 def margin(target, kind, index, prefix):
                     return ours.top2_margin(by_key[(kind, index)], prefix) if target == ours.name else None
             results["lossless"] = lossless(results, margin)
+        results["summary"] = summarize(results)  # the report's figures, computed from the phases above
         write_json(out / "results.json", results)
-        write_report(out, results)
+        write_report(out, results, results["summary"])
     finally:
         for t in targets:
             t.close()
