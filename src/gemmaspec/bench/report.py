@@ -65,15 +65,25 @@ def markdown(results: dict, s: dict) -> str:
         u0 = min(c["users"] for c in tc)
         configs = list(dict.fromkeys(c["config"] for c in tc))
         kinds = list(dict.fromkeys(c["kind"] for c in tc))
+        autos = [cfg for cfg in configs if cfg.endswith(" n=auto")]
         lines += [f"## {t}: speedup by kind and draft length ({u0} user{'s' if u0 > 1 else ''})", "",
-                  "Aggregate output tokens/s (speedup against `none`).", "",
-                  "| kind | " + " | ".join(configs) + " |", "|---|" + "---:|" * len(configs)]
+                  "Aggregate output tokens/s (speedup against `none`)"
+                  + ("; auto / best fixed: auto's tokens/s over the best fixed draft length's of the same drafter"
+                     if autos else "") + ".", "",
+                  "| kind | " + " | ".join(configs + [f"{a} / best fixed" for a in autos]) + " |",
+                  "|---|" + "---:|" * (len(configs) + len(autos))]
         for k in kinds:
             row = []
             for cfg in configs:
                 c = _find(tc, cfg, k, u0)
                 row.append("" if c is None else (_f(c["aggregate_tps"]) if cfg == "none" else
                                                  f"{_f(c['aggregate_tps'])} ({_x(c['speedup_aggregate'])})"))
+            for a in autos:
+                ca = _find(tc, a, k, u0)
+                fixed = [c["aggregate_tps"] for cfg in configs if cfg.startswith(a[:-len("auto")]) and cfg != a
+                         for c in [_find(tc, cfg, k, u0)] if c and c["aggregate_tps"]]
+                row.append(_f(ca["aggregate_tps"] / max(fixed), "{:.3f}") if ca and ca["aggregate_tps"] and fixed
+                           else "-")
             lines.append(f"| {k} | " + " | ".join(row) + " |")
         lines += ["", f"## {t}: by number of users (all kinds)", "",
                   "| users | config | aggregate tok/s | per-user tok/s | speedup (agg / per user) | TTFT p50 / p95 ms "
