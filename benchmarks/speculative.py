@@ -1,26 +1,40 @@
 """Speculative decoding speed on the real model: plain vs drafters and draft lengths, by text kind.
 
-One process, engine loaded once; each configuration generates --n greedy tokens (EOS ignored) per
-prompt, --repeats times, the configurations taking turns; medians reported. llama.cpp's plain decode on the same prompt runs in the
-same invocation (cold process, llama-cpp-python), unless --no-llama.
+A thin caller of `gemmaspec bench` (one measuring code path): one process, engine loaded once, one
+user; greedy, --n tokens per request (EOS ignored) over the prompts below (three per text kind),
+--repeats times with the configurations taking turns; ngram-simple (and draft-simple with -md, and
+draft-mtp with the assistant shipped for the default model or --mtp PATH) at n-max 1, 2, 3, 4 and
+auto, against no speculation; llama.cpp (llama-cpp-python, plain and its prompt-lookup decoding) side
+by side unless --no-llama. Figures are defined in docs/benchmarks.md; with MTP, the cost of one
+assistant draft step is measured after the sweep (mtp_step.json).
 
-    python benchmarks/speculative.py [--n 128] [--repeats 3] [-md DRAFT.gguf] [--no-llama]
+These PROMPTS are also the drafter's held-out evaluation prompts (gemmaspec.training reads them).
 
-Writes benchmarks/results/speculative.json and speculative.md.
+    python benchmarks/speculative.py [--n 128] [--repeats 3] [-md DRAFT.gguf] [--no-llama] [--mtp default|none|PATH]
+
+Writes benchmarks/results/speculative/ (results.json, report.md, PNG plots). The older
+benchmarks/results/speculative.json / .md (the README's table) came from this script's earlier,
+self-contained version.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
-from common import llama_python, machine, median, write_results
+from common import ROOT, llama_python, median
 
+from gemmaspec.cli import main as gemmaspec_main
 from gemmaspec.engine import RequestStats
 from gemmaspec.loader import load_drafter, load_engine, shipped_assistant
 from gemmaspec.loading.default_model import default_model_path
 from gemmaspec.sampling import SamplingParams
+
+OUT = ROOT / "benchmarks" / "results" / "speculative"
 
 PARAGRAPH = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
              "the members agreed to raise the library's funding by ten percent and to postpone the new parking lot "
@@ -73,75 +87,32 @@ def main():
                          "model, when the target is the default model; 'none': no MTP columns)")
     a = ap.parse_args()
     model = a.model or str(default_model_path())
-    engine = load_engine(model, ctx_size=2048, device="cpu", threads=a.threads)
-    configs = [("plain", "none", 0)] + [(f"ngram n={n}", "ngram-simple", n) for n in (1, 2, 3, 4)]
-    configs.append(("ngram auto", "ngram-simple", "auto"))
-    if a.model_draft:
-        configs += [(f"draft n={n}", "draft-simple", n) for n in (2, 3)]
     mtp = None if a.mtp == "none" else (shipped_assistant(model) if a.mtp == "default" else a.mtp)
-    if mtp:
-        configs += [(f"mtp n={n}", "draft-mtp", n) for n in (1, 2, 3, 4)] + [("mtp auto", "draft-mtp", "auto")]
-    drafters = {}
-    for name, st, _ in configs:
-        drafters[name] = load_drafter(st, engine, a.model_draft if st == "draft-simple" else mtp if st == "draft-mtp"
-                                      else None)
-    params = SamplingParams(temperature=0, max_tokens=a.n, ignore_eos=True)
-    engine.forward_costs()
-    results, lines = {}, []
-    llama_py = None if a.no_llama else llama_python()
-    names = [c[0] for c in configs]
-    for kind, prompts in PROMPTS.items():
-        per_prompt = []
-        for prompt in prompts:
-            ids = engine.tokenizer.encode(prompt)
-            runs = {name: [] for name in names}
-            for _ in range(a.repeats):  # round-robin, so drift on a shared machine hits every config alike
-                for name, _, n_max in configs:
-                    st = RequestStats()
-                    for _ev in engine.generate(ids, params, drafters[name], n_max, st):
-                        pass
-                    runs[name].append({"decode_tps": st.decode_tps, "decode_s": st.decode_ms / 1e3,
-                                       "decoded": st.generated_tokens - 1, **st.spec.to_dict()})
-            rec = {"prompt": prompt, "configs": runs}
-            if llama_py:
-                from decode import llama
-
-                rec["llama.cpp plain"] = [llama(llama_py, model, prompt, a.n, a.threads) for _ in range(a.repeats)]
-            per_prompt.append(rec)
-            print(kind, {n: round(median([r["decode_tps"] for r in runs[n]]), 1) for n in names}, file=sys.stderr, flush=True)
-        results[kind] = {"prompts": per_prompt, "summary": _summary(per_prompt, names)}
-    results["mixed (all 15)"] = {"summary": _summary([p for k in PROMPTS for p in results[k]["prompts"]], names)}
-    if mtp:
-        results["mtp_step"] = mtp_step_cost(engine, drafters["mtp n=3"], params)
-        lines.append(f"MTP assistant {os.path.basename(mtp)}: one draft step {results['mtp_step']['step_ms']:.2f} ms "
-                     f"= {results['mtp_step']['fraction_of_target_step']:.3f} of a target decode step "
-                     f"({results['mtp_step']['target_step_ms']:.1f} ms); weights {results['mtp_step']['weights_mib']:.1f} MiB.")
-        lines.append("")
-    cols = names + ([] if a.no_llama else ["llama.cpp plain"])
-    lines.append(f"Machine: {machine()['cpu']}, {machine()['cores']} cores; {a.threads} threads; greedy; {a.n} tokens "
-                 f"(EOS ignored); three prompts per kind, each run {a.repeats} times (configurations taking turns); "
-                 f"model {os.path.basename(model)}. Cells: decode tokens/s over the kind's prompts (total tokens / "
-                 "total time, each prompt's median run) (speedup over our plain; acceptance rate, mean accepted length); "
-                 "last column: auto against the best fixed n-max of that row.")
-    lines += ["", "| text kind | " + " | ".join(cols) + " | auto / best fixed |", "|---|" + "---:|" * (len(cols) + 1)]
-    for kind, res in results.items():
-        if "summary" not in res:
-            continue
-        sm = res["summary"]
-        base = sm["plain"]["tps"]
-        cells = []
-        for n in cols:
-            r = sm.get(n)
-            if r is None:
-                cells.append("")
-            elif n in ("plain", "llama.cpp plain"):
-                cells.append(f"{r['tps']:.1f}")
-            else:
-                cells.append(f"{r['tps']:.1f} ({r['tps'] / base:.2f}x; {r['acceptance_rate']:.2f}, {r['mean_len']:.2f})")
-        best = max(sm[n]["tps"] for n in names if n.startswith("ngram n="))
-        lines.append(f"| {kind} | " + " | ".join(cells) + f" | {sm['ngram auto']['tps'] / best:.3f} |")
-    write_results("speculative", {"machine": machine(), "settings": vars(a) | {"model": model}, "results": results},
-                  "\n".join(lines))
+    types = ["ngram-simple"] + (["draft-simple"] if a.model_draft else []) + (["draft-mtp"] if mtp else [])
+    with tempfile.TemporaryDirectory() as tmp:
+        suite = Path(tmp) / "speculative.jsonl"
+        suite.write_text("".join(json.dumps({"kind": k, "prompt": p}) + "\n" for k, ps in PROMPTS.items() for p in ps))
+        argv = ["bench", "-m", model, "--suite", str(suite), "--spec-type", ",".join(types),
+                "--spec-draft-n-max", "1,2,3,4,auto", "--users", "1", "--repeats", str(a.repeats),
+                "--max-tokens", str(a.n), "-t", str(a.threads), "--out", str(OUT)]
+        for d in (a.model_draft, mtp):
+            if d:
+                argv += ["-md", d]
+        if not a.no_llama and llama_python():  # builds llama-cpp-python once if needed
+            argv += ["--peer", "llama.cpp"]
+        rc = gemmaspec_main(argv)
+    if rc == 0 and mtp:
+        engine = load_engine(model, ctx_size=2048, device="cpu", threads=a.threads)
+        step = mtp_step_cost(engine, load_drafter("draft-mtp", engine, mtp),
+                             SamplingParams(temperature=0, max_tokens=a.n, ignore_eos=True))
+        (OUT / "mtp_step.json").write_text(json.dumps(step, indent=2))
+        line = (f"MTP assistant {os.path.basename(mtp)}: one draft step {step['step_ms']:.2f} ms "
+                f"= {step['fraction_of_target_step']:.3f} of a target decode step ({step['target_step_ms']:.1f} ms); "
+                f"weights {step['weights_mib']:.1f} MiB.")
+        with open(OUT / "report.md", "a") as f:
+            f.write("\n" + line + "\n")
+    print((OUT / "report.md").read_text() if (OUT / "report.md").exists() else "", end="")
+    sys.exit(rc)
 
 
 def mtp_step_cost(engine, drafter, params) -> dict:
@@ -175,33 +146,6 @@ def mtp_step_cost(engine, drafter, params) -> dict:
     nbytes = sum(int(getattr(w, "nbytes", 0)) for w in asst.weights.values())
     return {"step_ms": step, "target_step_ms": target, "fraction_of_target_step": step / target,
             "weights_mib": nbytes / 2**20}
-
-
-def _summary(per_prompt: list, names: list) -> dict:
-    """Per configuration: tokens/s over the prompts (sum of decoded tokens / sum of each prompt's median
-    decode time), pooled acceptance rate and mean accepted length."""
-    out = {}
-    for n in names:
-        toks = secs = drafted = accepted = steps = 0
-        for p in per_prompt:
-            rs = sorted(p["configs"][n], key=lambda r: r["decode_s"])
-            mid = rs[len(rs) // 2]
-            toks += mid["decoded"]
-            secs += mid["decode_s"]
-            drafted += mid["draft_n"]
-            accepted += mid["draft_n_accepted"]
-            steps += mid["verify_steps"]
-        out[n] = {"tps": toks / secs, "acceptance_rate": accepted / drafted if drafted else 0.0,
-                  "mean_len": 1 + accepted / steps if steps else 1.0}
-    if per_prompt and "llama.cpp plain" in per_prompt[0]:
-        toks = secs = 0.0
-        for p in per_prompt:
-            rs = sorted(p["llama.cpp plain"], key=lambda r: r["decode_tps"])
-            mid = rs[len(rs) // 2]
-            toks += mid.get("n_decoded", 127)
-            secs += mid.get("n_decoded", 127) / mid["decode_tps"]
-        out["llama.cpp plain"] = {"tps": toks / secs}
-    return out
 
 
 if __name__ == "__main__":

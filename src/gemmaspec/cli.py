@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     _training_parsers(sub)
     _add_models_parsers(sub)
 
+    from .bench.cli import add_parser as _bench_parser
+
+    _bench_parser(sub)
     v = sub.add_parser("verify", help="check a quantized GGUF against its source, tensor by tensor (exit 0/1)",
                        allow_abbrev=False)
     v.add_argument("out", metavar="OUT.gguf", help="the file written by gemmaspec quantize")
@@ -449,6 +452,10 @@ def main(argv=None) -> int:
 
                 return cmd_export(args)
             return {"pull": _cmd_pull, "models": _cmd_models, "fit": _cmd_fit}[args.command](args)
+        if args.command == "bench":
+            from .bench.cli import run as run_bench
+
+            return run_bench(args)
         return _cmd_inspect(args)
     except GemmaspecError as exc:
         print(f"error: {exc}", file=sys.stderr)
