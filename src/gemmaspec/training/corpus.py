@@ -54,11 +54,18 @@ SELF_PROMPTS = [
 
 
 def held_out_texts() -> list[str]:
-    """The prompts drafters are evaluated on (benchmarks/speculative.py, tests/test_speculative.py and
-    tests/test_shipped_drafter.py),
+    """The prompts drafters are evaluated on (benchmarks/speculative.py, tests/test_speculative.py,
+    tests/test_shipped_drafter.py, and the ``gemmaspec bench`` suite),
     read from their files when present (a source checkout), so the check follows them."""
     root = Path(__file__).resolve().parents[3]
     out = []
+    suite = Path(__file__).resolve().parents[1] / "bench" / "suite.jsonl"  # gemmaspec bench's prompts
+    if suite.exists():
+        for line in suite.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                texts = [rec.get("prompt")] + [m.get("content") for m in rec.get("messages") or []]
+                out += [t for t in texts if isinstance(t, str) and len(t) >= 30]
     for rel in ("benchmarks/speculative.py", "benchmarks/common.py", "tests/test_speculative.py",
                 "tests/test_shipped_drafter.py"):
         p = root / rel
