@@ -182,3 +182,16 @@ def test_exact_step_with_the_peak_on_a_middle_level(backend):
     r = pack_exact(w, backend=backend)
     assert r.exact[0] == 32 and r.max_err_ulp[0] == 0
     assert np.array_equal(r.d.astype(np.float32)[:, None] * r.levels.astype(np.float32), w)
+
+
+@pytest.mark.parametrize("backend", ["c", "numpy"])
+def test_step_read_off_a_power_of_two_level(backend):
+    """A block with no bit-exact fit (bf16 rounds s·3, s·5, s·7): its peak -0.84375 is bf16(-7s), so
+    peak / 7 and the least-squares step miss s by an fp16 ulp or two and reproduce 2 values bit-exactly.
+    Its values on levels ±1, ±2, ±4 are s·level exactly; the step read off them reproduces those 15."""
+    s = np.float32(0.12060547)  # a bf16 (and fp16) number
+    lv = np.array([-7, 7, 0, 2, -6, 6, -7, -4, -2, -3, 3, -1, 5, -5, -6, -7, 7, 4, -7, -7, -1, 1, 2, -2, 4, 4, 4,
+                   1, -5, 0, -7, 7])
+    w = _bf16(s * lv)[None, :]
+    r = pack_exact(w, backend=backend)
+    assert abs(float(r.d[0])) == s and r.exact[0] == 15 and r.on_grid[0] and r.max_err_ulp[0] <= 0.5

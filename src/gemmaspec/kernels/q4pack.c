@@ -8,7 +8,8 @@
  * against the source: within tolerance of every value beats not; then more bit-exact values; then
  * the smaller worst error (in units of the source's last place). Levels -8, 7, -7, 6, -6 first; the
  * others only on a block off the grid (full scoring) or on the grid but not all bit-exact (then only
- * an fp16 step peak / k reproducing every value bit-exactly is taken: exact_step).
+ * an fp16 step peak / k reproducing every value bit-exactly is taken: exact_step); then, on the grid
+ * and still not all bit-exact, the steps read off single values (try_value_steps).
  *
  * Built with -O3 -march=native -ffp-contract=off (no fused multiply-adds, so float results equal
  * numpy's), blocks spread over gemmaspec's thread pool (pool.h).
@@ -86,6 +87,46 @@ typedef struct {
     double err;
 } best_t;
 
+/* Score the fp16 step h with levels lv (lv32: the same as float) against the block; keep it in b when
+ * better: within tolerance beats not, then more bit-exact values, then the smaller worst error. The
+ * same scoring as try_level's loop (kept inline there: a shared call made that path 1.4x slower). */
+static void score_step(const float *v, const double *v64, const double *inv_ulp, uint16_t h, const double *lv,
+                       const float *lv32, double tol, best_t *b) {
+    float d = f16_to_f32(h);
+    int exact = 0;
+    int64_t errbits[QK];
+    for (int i = 0; i < QK; i++) {
+        float r = d * lv32[i];
+        exact += r == v[i];
+        double e = fabs((double)r - v64[i]) * inv_ulp[i];
+        memcpy(&errbits[i], &e, 8);                /* non-negative doubles order as integers */
+    }
+    int64_t mx = 0;
+    for (int i = 0; i < QK; i++) mx = errbits[i] > mx ? errbits[i] : mx;
+    double err;
+    memcpy(&err, &mx, 8);
+    int ok = err <= tol, best_ok = b->err <= tol;
+    int better = (ok && !best_ok) || (ok == best_ok && (exact > b->exact || (exact == b->exact && err < b->err)));
+    if (better) {
+        b->d = h;
+        b->exact = exact;
+        b->err = err;
+        for (int i = 0; i < QK; i++) b->l[i] = (int8_t)lv[i];
+    }
+}
+
+/* Levels rint(v / s), clamped to [-8, 7]; returns whether none needed clamping. */
+static int levels_for(const double *v64, double s, double *lv, float *lv32) {
+    int valid = 1;
+    for (int i = 0; i < QK; i++) {
+        double q = rint(v64[i] / s);
+        valid &= (q >= -8.0) & (q <= 7.0);
+        lv[i] = q < -8.0 ? -8.0 : (q > 7.0 ? 7.0 : q);
+        lv32[i] = (float)lv[i];
+    }
+    return valid;
+}
+
 static void try_level(const float *v, const double *v64, const double *inv_ulp, double peak, int k,
                       double tol, best_t *b) {
     double s = peak / (double)k, lv[QK], prod[QK];
@@ -129,6 +170,34 @@ static void try_level(const float *v, const double *v64, const double *inv_ulp, 
             b->err = err;
             for (int i = 0; i < QK; i++) b->l[i] = (int8_t)lv[i];
         }
+    }
+}
+
+/* On the grid, not all bit-exact: the step read off single values. With a step of at most 11
+ * significant bits (bf16's 8 included), a value on level +-1, +-2, +-4 or -8 is step * level exactly,
+ * so value / level is the step itself, where the peak (a rounded step * 3, 5, 6 or 7) and the least
+ * squares fit only come near it. For each of those level magnitudes (8, 4, 2, 1) the block's current
+ * levels hold, the first such value gives d = f16(v / level), scored with levels rint(v / d) unless it
+ * is the block's step already (the usual case: then it costs one division). */
+static void try_value_steps(const float *v, const double *v64, const double *inv_ulp, double tol, best_t *b) {
+    static const int MAGS[4] = {8, 4, 2, 1};
+    int8_t cur[QK];
+    uint16_t tried[5] = {b->d};                   /* the current step is not scored again */
+    int ntried = 1;
+    memcpy(cur, b->l, QK);
+    for (int m = 0; m < 4; m++) {
+        int at = -1;
+        for (int i = 0; i < QK && at < 0; i++)
+            if (cur[i] == MAGS[m] || cur[i] == -MAGS[m]) at = i;
+        if (at < 0) continue;
+        uint16_t h = f64_to_f16(v64[at] / (double)cur[at]);
+        int seen = 0;                              /* the same step gives the same levels and score */
+        for (int p = 0; p < ntried; p++) seen |= tried[p] == h;
+        if (seen) continue;
+        tried[ntried++] = h;
+        double lv[QK];
+        float lv32[QK];
+        if (levels_for(v64, (double)f16_to_f32(h), lv, lv32)) score_step(v, v64, inv_ulp, h, lv, lv32, tol, b);
     }
 }
 
@@ -221,6 +290,7 @@ static void pack_task(void *ctx, int t) {
                 for (int j = 0; j < 10 && b.exact < QK; j++)
                     if (fabs((double)STAGE2[j]) * m >= amax) exact_step(x, peak, STAGE2[j], &b);
             }
+            if (b.err <= tol && b.exact < QK) try_value_steps(x, v64, inv_ulp, tol, &b);
             if (b.exact < 0) b.exact = 0;
         }
         float dq = f16_to_f32(b.d);

@@ -14,7 +14,9 @@ not; among them the most bit-exact values win, then the smaller error, then the 
 -8, 7, -7, ±6 are scored on every block; the rest on a block still off the grid, and on a block on the
 grid but not all bit-exact only as a bit-exact fit (d = peak / k reproducing every value exactly).
 Whenever some fp16 step reproduces all 32 values bit for bit, the search finds one: in such a fit the
-peak is d·k for its own level k, so d = peak / k exactly (docs/quantize.md gives the argument).
+peak is d·k for its own level k, so d = peak / k exactly (docs/quantize.md gives the argument). A block
+on the grid and still not all bit-exact then scores the steps read off its values on levels ±1, ±2,
+±4, -8 (value / level: exact when the trained step has at most 11 significant bits).
 A block whose reconstruction misses a value by more than ``tolerance_ulp`` units in the source's last
 place fits no grid and is reported off-grid.
 
@@ -79,6 +81,44 @@ def ulp(v: np.ndarray, mantissa_bits: int) -> np.ndarray:
     return np.where(a > 0, 2.0 ** (exp - mantissa_bits), 2.0 ** (-126 - mantissa_bits))
 
 
+def _score(v, v64, u, d, levels, valid, tolerance_ulp, best):
+    """Keep fp16 step ``d`` [B] with float ``levels`` [B, 32] where ``valid`` and better than ``best``
+    (d, levels, exact, err): within tolerance beats not, then more bit-exact values, then the smaller
+    worst error."""
+    best_d, best_l, best_exact, best_err = best
+    recon = d.astype(np.float32)[:, None] * levels.astype(np.float32)
+    exact = (recon == v).sum(axis=1)
+    err = (np.abs(recon.astype(np.float64) - v64) / u).max(axis=1)
+    ok, best_ok = err <= tolerance_ulp, best_err <= tolerance_ulp
+    same_class = ok == best_ok
+    better = valid & ((ok & ~best_ok) | (same_class & ((exact > best_exact)
+                                                      | ((exact == best_exact) & (err < best_err)))))
+    return (np.where(better, d, best_d), np.where(better[:, None], np.where(valid[:, None], levels, 0).astype(np.int8),
+                                                  best_l),
+            np.where(better, exact, best_exact), np.where(better, err, best_err))
+
+
+def _value_steps(v, v64, u, tolerance_ulp, best):
+    """Steps read off single values (blocks on the grid, not all bit-exact): with a step of at most 11
+    significant bits, a value on level ±1, ±2, ±4 or -8 is step·level exactly, so value / level is the
+    step itself, which the peak (a rounded step·3, 5, 6 or 7) and the least-squares fit only come near.
+    For each magnitude 8, 4, 2, 1 among the block's current levels, the first such value gives
+    d = f16(v / level), scored with levels rint(v / d) unless it is the block's step already."""
+    cur, d_start = best[1].astype(np.int16), best[0].view(np.uint16).copy()
+    rows = np.arange(v.shape[0])
+    for m in (8, 4, 2, 1):
+        on_m = np.abs(cur) == m
+        has = on_m.any(axis=1)
+        at = on_m.argmax(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            d = (v64[rows, at] / np.where(has, cur[rows, at], 1)).astype(np.float16)
+            d64 = d.astype(np.float64)
+            levels = np.rint(v64 / d64[:, None])
+            valid = has & (d64 != 0) & (d.view(np.uint16) != d_start) & ((levels >= -8) & (levels <= 7)).all(axis=1)
+        best = _score(v, v64, u, d, np.clip(levels, -8, 7), valid, tolerance_ulp, best)
+    return best
+
+
 def _search(v, v64, u, peak, ks, tolerance_ulp, start=None):
     """Best (d, levels, exact, err) per block over peak levels ``ks``; ``u``: each value's ulp."""
     b = v.shape[0]
@@ -97,19 +137,10 @@ def _search(v, v64, u, peak, ks, tolerance_ulp, start=None):
         s_ls = np.where(den > 0, (v64 * levels).sum(axis=1) / np.where(den > 0, den, 1.0), 0.0)
         d_ls = s_ls.astype(np.float16)
         steps = (s.astype(np.float16), d_ls, np.nextafter(d_ls, np.float16(np.inf)), np.nextafter(d_ls, np.float16(-np.inf)))
-        lv32 = levels.astype(np.float32)
+        best = (best_d, best_l, best_exact, best_err)
         for d in steps:  # the fitted fp16 step and its two neighbours: the source's rounding can hide the true one
-            recon = d.astype(np.float32)[:, None] * lv32
-            exact = (recon == v).sum(axis=1)
-            err = (np.abs(recon.astype(np.float64) - v64) / u).max(axis=1)
-            ok, best_ok = err <= tolerance_ulp, best_err <= tolerance_ulp
-            same_class = ok == best_ok
-            better = valid & ((ok & ~best_ok) | (same_class & ((exact > best_exact)
-                                                              | ((exact == best_exact) & (err < best_err)))))
-            best_exact = np.where(better, exact, best_exact)
-            best_err = np.where(better, err, best_err)
-            best_d = np.where(better, d, best_d)
-            best_l = np.where(better[:, None], levels.astype(np.int8), best_l)
+            best = _score(v, v64, u, d, levels, valid, tolerance_ulp, best)
+        best_d, best_l, best_exact, best_err = best
     return best_d, best_l, best_exact, best_err
 
 
@@ -214,6 +245,11 @@ def pack_exact(w: np.ndarray, mantissa_bits: int = 7, tolerance_ulp: float = 1.0
         found, d3, l3 = _exact_steps(v[near], peak[near], _STAGE2)
         hit = near[found]
         best_d[hit], best_l[hit], best_exact[hit], best_err[hit] = d3[found], l3[found], QK, 0.0
+    near = np.nonzero((best_err <= tolerance_ulp) & (best_exact < QK) & (peak != 0))[0]
+    if near.size:
+        d4, l4, e4, r4 = _value_steps(v[near], v64[near], u[near], tolerance_ulp,
+                                      (best_d[near], best_l[near], best_exact[near], best_err[near]))
+        best_d[near], best_l[near], best_exact[near], best_err[near] = d4, l4, e4, r4
     zero = peak == 0  # all-zero block: d = 0, every level 0, exact
     best_d[zero], best_l[zero], best_exact[zero], best_err[zero] = 0, 0, QK, 0.0
     on_grid = (best_exact >= 0) & (best_err <= tolerance_ulp)
