@@ -129,6 +129,10 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
     if spec_type == "ngram-simple":
         NgramDrafter(ngram_max, ngram_min)  # check the sizes now
         return spec_type, lambda cache: NgramDrafter(ngram_max, ngram_min)
+    if not draft_model and spec_type == "draft-mtp":  # the assistant shipped for this target, if any
+        draft_model = shipped_assistant(getattr(engine, "model_path", None))
+        if draft_model:
+            print(f"draft-mtp: the assistant shipped for this model ({Path(draft_model).name})", file=sys.stderr)
     if not draft_model:
         what = "the target's assistant: -md ASSISTANT (directory or .gguf)" if spec_type == "draft-mtp" \
             else "a draft model: -md DRAFT.gguf"
@@ -200,6 +204,8 @@ def memory_estimate(args, slots: int = 1, caches: int | None = None):
 def qat_mismatch_warning(target, assistant) -> str | None:
     """A warning when one of a target/assistant pair is QAT (4-bit grid weights) and the other is not:
     Google's model card pairs QAT targets with QAT assistants only. None when they match."""
+    if getattr(assistant, "token_map", None) is not None:
+        return None  # trained by gemmaspec train-drafter against its target: --qat there is about its own export
     name = "blk.0.attn_q.weight"  # every architecture's first query projection (GGUF naming)
     t, a = looks_qat(target.weights[name]), looks_qat(assistant.weights[name])
     if t == a:
