@@ -102,11 +102,11 @@ def verify_round(logits: torch.Tensor, history: list[int], drafts: list[int], di
         drafts: the draft tokens.
         dists: the drafter's distributions per draft position, or None (one-hot drafts).
         params: :class:`~gemmaspec.sampling.SamplingParams`; greedy (temperature 0) compares argmaxes
-            (after the repetition penalty when one is set), otherwise rejection sampling over the
+            (after the logit bias and penalties when set), otherwise rejection sampling over the
             filtered distributions (:func:`~gemmaspec.sampling.filtered_probs`).
         sampler: the request's :class:`~gemmaspec.sampling.Sampler` (its seeded uniform and draw).
     """
-    if params.greedy and params.repeat_penalty == 1.0:
+    if params.greedy and params.raw_logits:
         return verify_greedy(logits.argmax(-1).tolist(), drafts)
     if params.greedy:
         targets = [int(filtered_probs(logits[i], params, history + drafts[:i])[0][0]) for i in range(len(drafts) + 1)]
