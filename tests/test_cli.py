@@ -192,7 +192,7 @@ def test_prompt_from_file_equals_prompt_flag(model_path, tmp_path):
 @pytest.mark.parametrize("cmd,flags,needle", [
     ("generate", ["-fa", "on"], "-fa"), ("generate", ["--mlock"], "--mlock"), ("generate", ["--no-mmap"], "--no-mmap"),
     ("generate", ["-cnv"], "gemmaspec chat"), ("generate", ["-hf", "org/repo"], "-m FILE"),
-    ("generate", ["-ctk", "q8_0"], "-ctk"), ("serve", ["-n", "64"], "-np"), ("serve", ["-cb"], "-cb"),
+    ("generate", ["-ctk", "q8_0"], "-ctk"), ("serve", ["-cb"], "-cb"),
     ("generate", ["--n-pred", "4"], "unrecognized arguments: --n-pred"),  # no abbreviations
 ])
 def test_llama_cpp_flags_refused_by_name(cmd, flags, needle):

@@ -187,7 +187,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         return {"n_predict": n_pred, "max_tokens": n_pred, "seed": p.seed, "temperature": p.temperature,
                 "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n,
                 "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
-                "frequency_penalty": p.frequency_penalty, "logit_bias": [list(x) for x in p.logit_bias],
+                "frequency_penalty": p.frequency_penalty, "logit_bias": [[t, b if b != float("-inf") else False] for t, b in p.logit_bias],
                 "stop": list(p.stop), "ignore_eos": p.ignore_eos, "n_probs": 0,
                 "samplers": ["logit_bias", "penalties", "top_k", "top_p", "min_p", "temperature"],
                 "speculative.n_max": cfg.n_max if n_max is None else n_max,
