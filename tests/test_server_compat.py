@@ -246,7 +246,8 @@ def test_native_completion_matches_openai_completion(srv):
         assert r["content"] == oai_r["choices"][0]["text"] and r["stop"] is True
         assert r["stop_type"] == "limit" and r["tokens_predicted"] == 12 and len(r["tokens"]) == 12
         assert r["generation_settings"]["n_ctx"] == CTX and r["generation_settings"]["n_predict"] == 12
-        assert r["timings"]["cache_n"] == 0 and r["tokens_evaluated"] == oai_r["usage"]["prompt_tokens"]
+        assert r["tokens_evaluated"] == oai_r["usage"]["prompt_tokens"]
+        assert r["timings"]["cache_n"] + r["timings"]["prompt_n"] == r["tokens_evaluated"]
         assert r["truncated"] is False and r["model"] == MODEL and r["id_slot"] in (0, 1)
         probs = r["completion_probabilities"]
         assert len(probs) == 12 and all(len(p["top_logprobs"]) == 2 for p in probs)
@@ -316,6 +317,27 @@ def test_any_model_name_server_defaults_and_openai_extras(srv, oai):
     err = _err(_post(srv, "/v1/completions", {"prompt": "word " * 600}), 400,
                "exceeds the available context size", f"({CTX} tokens)")
     assert err["type"] == "exceed_context_size_error"
+
+
+# ---- prompt cache ----------------------------------------------------------------------------------------------
+
+def test_second_chat_turn_reuses_the_first_turns_kv(srv, tokenizer):
+    system = "You are a careful assistant. " + " ".join(f"Rule {i}: answer in plain words." for i in range(40))
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Name three fruits."}]
+    r1 = _post(srv, "/v1/chat/completions", {"messages": turn1, "max_tokens": 8}).json()
+    turn2 = turn1 + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And three colours?"}]
+    n2 = len(tokenizer.encode_chat(turn2))
+    fresh = _post(srv, "/v1/chat/completions", {"messages": turn2, "max_tokens": 8, "cache_prompt": False}).json()
+    assert fresh["timings"]["cache_n"] == 0 and fresh["timings"]["prompt_n"] == n2
+    again = _post(srv, "/v1/chat/completions", {"messages": turn2 + [{"role": "assistant", "content": "x"},
+                                                                     {"role": "user", "content": "Thanks"}],
+                                                "max_tokens": 1}).json()
+    assert again["timings"]["cache_n"] >= n2 - 1  # the slot that ran turn 2 is found and reused
+    reused = _post(srv, "/v1/chat/completions", {"messages": turn2, "max_tokens": 8}).json()
+    t = reused["timings"]
+    assert t["cache_n"] == n2 - 1 and t["prompt_n"] == 1 and reused["usage"]["prompt_tokens"] == n2
+    assert reused["choices"][0]["message"]["content"] == fresh["choices"][0]["message"]["content"]
 
 
 # ---- tokens are text's -----------------------------------------------------------------------------------------

@@ -142,21 +142,34 @@ class RequestState:
         self.tokens = list(prompt_ids)
         self.hidden = None
         self.done = False
+        self.reused = 0
         self._round = None
         self._t1 = self._t_last = 0.0
 
     # ------------------------------------------------------------------------------------------
-    def prefill(self, cancelled=None) -> list[Event]:
+    def prefill(self, cancelled=None, reuse: int = 0) -> list[Event]:
         """Run the prompt (in chunks of ``PREFILL_CHUNK``) and sample the first token.
 
         Args:
             cancelled: optional callable checked before each chunk; when it returns True the request
                 stops there (:meth:`cancel`) and no event is returned.
+            reuse: how many leading prompt tokens the cache already holds (a previous request's
+                prefix, the server's prompt cache): they are kept and only the rest is run, when the
+                cache can roll back to that length (else the whole prompt runs). At most
+                ``len(prompt) - 1``. :attr:`reused` says how many were kept.
         """
         t0 = time.perf_counter()
-        self.cache.reset()
         ids = self.tokens
-        out = self.engine._prefill(ids, self.cache, cancelled)
+        reuse = max(0, min(reuse, len(ids) - 1, self.cache.length))
+        if reuse:
+            try:
+                self.cache.rollback(reuse)
+            except ValueError:  # a sliding-window ring no longer holds that far back
+                reuse = 0
+        if not reuse:
+            self.cache.reset()
+        self.reused = reuse
+        out = self.engine._prefill(ids[reuse:], self.cache, cancelled)
         if out is None:
             self.cancel()
             return []

@@ -372,7 +372,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 pass
 
         name = getattr(fmt, "id", None) or f"cmpl-{uuid.uuid4().hex[:24]}"
-        job = Job(ids, params, emit, n_max, n_min, logprobs, name=name, endpoint=kind, want_slot=want_slot)
+        job = Job(ids, params, emit, n_max, n_min, logprobs, name=name, endpoint=kind, want_slot=want_slot,
+                  cache_prompt=req.cache_prompt)
         try:
             scheduler.submit(job)
         except RuntimeError as exc:

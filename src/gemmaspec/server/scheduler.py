@@ -50,6 +50,8 @@ class Job:
         name: request id used in logs and ``/slots`` (``cmpl-...``).
         endpoint: ``completions``, ``chat`` or ``completion`` (llama-server's native; a metrics label).
         want_slot: run only in this slot (llama-server's ``id_slot``); -1 for any.
+        cache_prompt: reuse the KV of the longest prefix a free slot already holds (llama-server's
+            ``cache_prompt``); the request goes to the free slot holding the longest one.
     After it ends, ``stop_word`` is the stop string that ended it ("" if none) and ``cache_n`` the
     prompt tokens reused from the slot's cache (0: the whole prompt was prefilled).
     """
@@ -63,6 +65,7 @@ class Job:
     name: str = ""
     endpoint: str = "completions"
     want_slot: int = -1
+    cache_prompt: bool = True
     stop_word: str = ""
     cache_n: int = 0
     stats: RequestStats = field(default_factory=RequestStats)
@@ -86,6 +89,16 @@ class Slot:
     drafter: object
     job: Job | None = None
     served: int = 0  # requests completed in this slot
+    cached: list = field(default_factory=list)  # the ids whose KV the cache holds (positions 0..)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class Scheduler:
@@ -221,6 +234,8 @@ class Scheduler:
                     free = [s for s in self.slots if s.job is None and job.want_slot in (-1, s.index)]
                     if free:
                         s = free[0]
+                        if job.cache_prompt and len(free) > 1:  # the slot holding the longest prefix
+                            s = max(free, key=lambda f: common_prefix(f.cached, job.prompt_ids))
                         self._queue.remove(job)
                         s.job, job.slot = job, s.index
                         admit.append(s)
@@ -244,7 +259,10 @@ class Scheduler:
         try:
             job.state = RequestState(self.engine, job.prompt_ids, job.params, s.drafter, job.n_max, job.n_min,
                                      job.stats, cache=s.cache, logprobs=job.logprobs)
-            events = job.state.prefill(lambda: job.cancelled)
+            reuse = common_prefix(s.cached, job.prompt_ids) if job.cache_prompt else 0
+            s.cached = []  # the cache changes from here on
+            events = job.state.prefill(lambda: job.cancelled, reuse)
+            job.cache_n = job.state.reused
         except GemmaspecError as exc:
             self._fail(s, str(exc), status=400)
             return
@@ -307,6 +325,7 @@ class Scheduler:
             job.state.cancel()
         if job.state is not None:
             job.stop_word = job.state.stop.word
+            s.cached = job.state.tokens[:s.cache.length]
         job.t_done = time.perf_counter()
         with self._cond:
             s.job = None
@@ -322,6 +341,7 @@ class Scheduler:
 
     def _fail(self, s: Slot, message: str, status: int = 500) -> None:
         job = s.job
+        s.cached = []
         job.t_done = time.perf_counter()
         with self._cond:
             s.job = None

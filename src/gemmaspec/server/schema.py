@@ -77,6 +77,7 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     ignore_eos: bool = False
+    cache_prompt: bool = True
 
 
 class CompletionRequest(GenerationRequest):
@@ -89,7 +90,6 @@ class NativeCompletionRequest(GenerationRequest):
 
     prompt: str | list[int | str]
     n_probs: int = 0
-    cache_prompt: bool = True
     return_tokens: bool = False
     id_slot: int = -1
 
@@ -549,7 +549,7 @@ def _usage(job: Job) -> dict:
 def _timings(job: Job) -> dict:
     """llama-server's ``timings``: prompt = prefill; predicted = decoding after the first token."""
     st = job.stats
-    pn, gn = st.prompt_tokens, st.generated_tokens
+    pn, gn = st.prompt_tokens - job.cache_n, st.generated_tokens  # prompt_n: tokens prefilled (llama-server's)
     return {
         "prompt_n": pn, "prompt_ms": st.prefill_ms,
         "prompt_per_token_ms": st.prefill_ms / pn if pn else 0.0, "prompt_per_second": st.prefill_tps,
