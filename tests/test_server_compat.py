@@ -420,6 +420,45 @@ def test_unsupported_fields_are_400s_naming_them(srv, path, extra, field):
     _err(_post(srv, path, {**body, **extra}), 400, field)
 
 
+# ---- the same seed gives the same text, with or without speculation ----------------------------------------------
+
+def test_seeded_sampling_is_the_same_with_any_draft_length(engine):
+    ids = engine.tokenizer.encode(REPEAT)
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=40, ignore_eos=True)
+    plain = [t for e in engine.generate(ids, params) for t in e.tokens]
+    for n_max in (1, 3, 8, "auto"):
+        st = RequestStats()
+        spec = [t for e in engine.generate(ids, params, NgramDrafter(4, 1), n_max, st) for t in e.tokens]
+        assert spec == plain, n_max
+        assert st.spec.drafted > 0 and st.spec.accepted > 0  # drafts were verified, and some kept
+    other = SamplingParams(temperature=0.9, seed=12, max_tokens=40, ignore_eos=True)
+    assert [t for e in engine.generate(ids, other) for t in e.tokens] != plain  # the seed is used
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_server_seeded_output_is_the_same_with_and_without_speculation(srv, stream):
+    body = {"prompt": REPEAT, "max_tokens": 32, "ignore_eos": True, "temperature": 0.9, "seed": 5, "stream": stream}
+    texts = []
+    for extra in ({}, {"speculative.n_max": 0}, {"speculative.n_max": "auto"}):
+        if stream:
+            with httpx.stream("POST", srv.url + "/v1/completions", json={**body, **extra}, timeout=120) as r:
+                texts.append("".join(json.loads(ln[6:])["choices"][0]["text"] for ln in r.iter_lines()
+                                     if ln.startswith("data: {")))
+        else:
+            texts.append(_post(srv, "/v1/completions", {**body, **extra}).json()["choices"][0]["text"])
+    assert texts[0] == texts[1] == texts[2]
+
+
+def test_cli_seeded_output_is_the_same_with_and_without_speculation(model_path):
+    from conftest import run_cli
+
+    base = ("generate", "-m", str(model_path), "-p", REPEAT, "-n", "24", "--temp", "0.9", "-s", "3", "--ignore-eos")
+    plain = run_cli(*base, "--spec-type", "none")
+    spec = run_cli(*base, "--spec-type", "ngram-simple", "--spec-draft-n-max", "4")
+    assert plain.returncode == spec.returncode == 0, plain.stderr + spec.stderr
+    assert plain.stdout == spec.stdout and plain.stdout.strip()
+
+
 # ---- the conformance table ---------------------------------------------------------------------------------------
 
 def _table():

@@ -173,7 +173,7 @@ class RequestState:
         if out is None:
             self.cancel()
             return []
-        token = self.sampler.sample(out.logits[0], ids)
+        token = self.sampler.sample(out.logits[0], ids, pos=len(ids))
         self.hidden = out.hidden[-1]
         self._t1 = self._t_last = time.perf_counter()
         st = self.stats
@@ -220,7 +220,7 @@ class RequestState:
         start, drafts, dists, t_round, t_drafted = self._round
         self._round = None
         st, stop = self.stats, self.stop
-        verdict = verify_round(out.logits, self.tokens, drafts, dists, self.params, self.sampler)
+        verdict = verify_round(out.logits, self.tokens, drafts, dists, self.params, self.sampler, pos=len(self.tokens))
         new = (drafts[:verdict.n_accepted] + [verdict.next_token])[:self.ctx_size - len(self.tokens)]
         events = []
         for i, t in enumerate(new):

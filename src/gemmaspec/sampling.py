@@ -3,8 +3,10 @@
 The chain follows llama.cpp's default sampler order (``common/sampling.cpp``): logit bias →
 penalties (repetition, then frequency and presence, over the last ``repeat_last_n`` tokens) → top-k →
 top-p → min-p → temperature → draw. Temperature 0 is greedy (argmax; ties go to the lowest
-id). Random draws use a NumPy PCG64 generator in float64 so the same seed gives the same text, and so
-speculative rejection sampling and plain sampling draw from the same kind of stream.
+id). Random draws use NumPy PCG64 generators in float64. The token at absolute position p is drawn
+with p's own stream, keyed by (seed, p): plain decoding and speculative verification of a
+deterministic drafter draw every token the same way, so the same seed gives the same text with and
+without speculation, at any draft length and batch.
 """
 
 from __future__ import annotations
@@ -177,8 +179,24 @@ class Sampler:
         j = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True).item())
         return int(ids[min(j, ids.shape[0] - 1)])
 
-    def sample(self, logits: torch.Tensor, history=()) -> int:
-        """One token from logits float32 [V]."""
+    def uniform_at(self, pos: int) -> float:
+        """The float64 draw in [0, 1) of absolute position ``pos``: its own stream, keyed by (seed,
+        position), so a token's draw does not depend on how many draws came before it."""
+        return float(np.random.Generator(np.random.PCG64([self.seed, pos])).random())
+
+    def draw_at(self, pos: int, ids: torch.Tensor, probs: torch.Tensor) -> int:
+        """One id from (ids, probs) with position ``pos``'s draw (:meth:`uniform_at`)."""
+        if ids.shape[0] == 1:
+            return int(ids[0])
+        cdf = torch.cumsum(probs, 0)
+        u = self.uniform_at(pos) * float(cdf[-1])
+        j = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True).item())
+        return int(ids[min(j, ids.shape[0] - 1)])
+
+    def sample(self, logits: torch.Tensor, history=(), pos: int | None = None) -> int:
+        """One token from logits float32 [V]; with ``pos`` (its absolute position) drawn from that
+        position's own stream (:meth:`draw_at`), else from the request's running stream."""
         if self.params.greedy and self.params.raw_logits:
             return int(logits.argmax())
-        return self.draw(*filtered_probs(logits, self.params, history))
+        dist = filtered_probs(logits, self.params, history)
+        return self.draw(*dist) if pos is None else self.draw_at(pos, *dist)
