@@ -83,9 +83,16 @@ class _JobStream(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send):
+        async def watch():  # a client gone before the first event (e.g. during prefill) is noticed too
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self._on_close()
+
+        watcher = asyncio.create_task(watch())
         try:
             await super().__call__(scope, receive, send)
         finally:
+            watcher.cancel()
             self._on_close()
 
 
