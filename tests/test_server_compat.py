@@ -70,8 +70,8 @@ def test_drafting_stops_exactly_where_plain_decoding_stops_at_the_context_limit(
     """Every context size in a range, so some round drafts right up to the limit: the tokens with
     drafting equal the tokens without, and both fill the context exactly."""
     ids = engine.tokenizer.encode(REPEAT)
-    params = SamplingParams(temperature=0, max_tokens=-1, ignore_eos=True)
     for ctx in range(len(ids) + 8, len(ids) + 20):
+        params = SamplingParams(temperature=0, max_tokens=ctx, ignore_eos=True)  # the context ends it, not max_tokens
         small = Engine(engine.model, engine.tokenizer, ctx_size=ctx)
         plain = [t for e in small.generate(ids, params) for t in e.tokens]
         st = RequestStats()
@@ -85,7 +85,7 @@ def test_server_output_at_the_context_limit_is_the_same_with_and_without_draftin
     prompt = REPEAT + " apples, pears," * 100
     texts, counts = [], []
     for extra in ({}, {"speculative.n_max": 0}):
-        body = {"prompt": prompt, "max_tokens": -1, "ignore_eos": True, "temperature": 0, "stream": stream, **extra}
+        body = {"prompt": prompt, "max_tokens": CTX, "ignore_eos": True, "temperature": 0, "stream": stream, **extra}
         if stream:
             with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
                 chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
