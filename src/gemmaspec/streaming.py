@@ -5,6 +5,8 @@ while they may still match, max tokens). Used by every request (:class:`gemmaspe
 
 from __future__ import annotations
 
+import functools
+
 from .sampling import SamplingParams
 from .tokenizer import GemmaTokenizer
 
@@ -45,7 +47,10 @@ class StopStrings:
     Feeding a character costs O(1) amortised plus the matches it completes, whatever the number of
     stop strings, and :attr:`depth` (the longest tail of the text that is a prefix of some stop
     string, i.e. what must be held back) is known after every character. Building costs
-    O(total length of the strings).
+    O(total length of the strings) (about a second for 64 strings of 1024 characters in CPython), so
+    build through :func:`stop_matcher`, which keeps recent automata: the server builds a request's
+    before it reaches the scheduler thread. :meth:`fresh` gives a matcher of the same automaton at
+    the start of the text.
     """
 
     def __init__(self, stops):
@@ -85,6 +90,13 @@ class StopStrings:
                 order.append(nxt)
         self.state = 0
 
+    def fresh(self) -> "StopStrings":
+        """A matcher sharing this automaton (read only), at the start of a text."""
+        m = object.__new__(StopStrings)
+        m.__dict__.update(self.__dict__)
+        m.state = 0
+        return m
+
     @property
     def depth(self) -> int:
         """Characters at the end of the text fed so far that may start a stop string."""
@@ -105,6 +117,12 @@ class StopStrings:
         return found
 
 
+@functools.lru_cache(maxsize=32)
+def stop_matcher(stops: tuple[str, ...]) -> StopStrings:
+    """The (shared, cached) automaton for ``stops``; use ``.fresh()`` for a matcher."""
+    return StopStrings(stops)
+
+
 class StopChecker:
     """Token-by-token stop conditions: stop ids, stop strings (held back while they may still
     match), max tokens. ``add`` returns the text that is safe to show.
@@ -122,7 +140,7 @@ class StopChecker:
         self.tokens: list[int] = []
         self.reason = ""
         self.word = ""  # the stop string that ended generation
-        self.matcher = StopStrings(params.stop) if params.stop else None
+        self.matcher = stop_matcher(tuple(params.stop)).fresh() if params.stop else None
 
     def add(self, token: int) -> str | None:
         """Feed one generated token; returns text to show, or None when the token is a stop token."""

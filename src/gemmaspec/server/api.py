@@ -27,6 +27,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..errors import GemmaspecError
 from ..sampling import SamplingParams
+from ..streaming import stop_matcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .scheduler import Job, Scheduler
 from .schema import (APIError, ChatRequest, chat_messages, CompletionRequest, Formatter, NativeCompletionRequest,
@@ -369,6 +370,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                                 f"tokens), try increasing it (gemmaspec serve -c)", "exceed_context_size_error",
                            n_prompt_tokens=len(ids), n_ctx=e.ctx_size)
         n_max, n_min = spec_overrides(req, cfg)
+        if params.stop:  # build the stop-string automaton here, not on the scheduler thread
+            await asyncio.to_thread(stop_matcher, tuple(params.stop))
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
