@@ -46,7 +46,6 @@ LLAMA_FLAGS_REFUSED_GENERATE = {
 
 LLAMA_FLAGS_REFUSED_SERVE = {
     ("-cb", "--cont-batching", "-nocb", "--no-cont-batching"): "the -np slots are always batched together",
-    ("-n", "--n-predict"): "a request's token count is its max_tokens; -np sets the slots (requests served at once)",
 }
 
 

@@ -142,17 +142,38 @@ class RequestState:
         self.tokens = list(prompt_ids)
         self.hidden = None
         self.done = False
+        self.reused = 0
         self._round = None
         self._t1 = self._t_last = 0.0
 
     # ------------------------------------------------------------------------------------------
-    def prefill(self) -> list[Event]:
-        """Run the prompt (in chunks of ``PREFILL_CHUNK``) and sample the first token."""
+    def prefill(self, cancelled=None, reuse: int = 0) -> list[Event]:
+        """Run the prompt (in chunks of ``PREFILL_CHUNK``) and sample the first token.
+
+        Args:
+            cancelled: optional callable checked before each chunk; when it returns True the request
+                stops there (:meth:`cancel`) and no event is returned.
+            reuse: how many leading prompt tokens the cache already holds (a previous request's
+                prefix, the server's prompt cache): they are kept and only the rest is run, when the
+                cache can roll back to that length (else the whole prompt runs). At most
+                ``len(prompt) - 1``. :attr:`reused` says how many were kept.
+        """
         t0 = time.perf_counter()
-        self.cache.reset()
         ids = self.tokens
-        out = self.engine._prefill(ids, self.cache)
-        token = self.sampler.sample(out.logits[0], ids)
+        reuse = max(0, min(reuse, len(ids) - 1, self.cache.length))
+        if reuse:
+            try:
+                self.cache.rollback(reuse)
+            except ValueError:  # a sliding-window ring no longer holds that far back
+                reuse = 0
+        if not reuse:
+            self.cache.reset()
+        self.reused = reuse
+        out = self.engine._prefill(ids[reuse:], self.cache, cancelled)
+        if out is None:
+            self.cancel()
+            return []
+        token = self.sampler.sample(out.logits[0], ids, pos=len(ids))
         self.hidden = out.hidden[-1]
         self._t1 = self._t_last = time.perf_counter()
         st = self.stats
@@ -175,11 +196,13 @@ class RequestState:
         if self.done or self._round is not None:
             raise RuntimeError("begin_round() on a finished request or with a round in flight")
         start = self.cache.length  # == len(tokens) - 1: the pending token is not cached yet
-        room = self.ctx_size - start - 1  # positions left after the pending token
+        # tokens the context can still take: a round keeps its accepted drafts plus one target token,
+        # so at most room - 1 drafts, and plain decoding's output is never exceeded at the limit
+        room = self.ctx_size - len(self.tokens)
         params = self.params
         remaining = params.max_tokens - self.stats.generated_tokens if params.max_tokens != -1 else room
         t_round = time.perf_counter()
-        k = max(0, min(self.controller.choose() if self.controller else self.n_max, room, remaining - 1))
+        k = max(0, min(self.controller.choose() if self.controller else self.n_max, room - 1, remaining - 1))
         draft = self.drafter.propose(DraftContext(self.tokens, self.hidden), k) if k > 0 else None
         t_drafted = time.perf_counter()
         drafts = list(draft.tokens[:k]) if draft else []
@@ -197,8 +220,8 @@ class RequestState:
         start, drafts, dists, t_round, t_drafted = self._round
         self._round = None
         st, stop = self.stats, self.stop
-        verdict = verify_round(out.logits, self.tokens, drafts, dists, self.params, self.sampler)
-        new = drafts[:verdict.n_accepted] + [verdict.next_token]
+        verdict = verify_round(out.logits, self.tokens, drafts, dists, self.params, self.sampler, pos=len(self.tokens))
+        new = (drafts[:verdict.n_accepted] + [verdict.next_token])[:self.ctx_size - len(self.tokens)]
         events = []
         for i, t in enumerate(new):
             text = stop.add(t)
@@ -312,12 +335,15 @@ class Engine:
             self._forward_costs = costs
         return self._forward_costs
 
-    def _prefill(self, ids: list[int], cache=None):
+    def _prefill(self, ids: list[int], cache=None, cancelled=None):
         """Run ``ids`` at positions cache.length.. in chunks of ``PREFILL_CHUNK`` (default cache: the
-        engine's); returns the last chunk's :class:`~gemmaspec.models.base.ForwardOutput`."""
+        engine's); returns the last chunk's :class:`~gemmaspec.models.base.ForwardOutput`, or None when
+        ``cancelled()`` (checked before each chunk) said stop."""
         cache = self.cache if cache is None else cache
         out = None
         for i in range(0, len(ids), PREFILL_CHUNK):
+            if cancelled is not None and cancelled():
+                return None
             out = self.model.forward(torch.tensor(ids[i:i + PREFILL_CHUNK]), cache)
         return out
 

@@ -1,9 +1,12 @@
 """Sampling: turning a position's logits into a token (or a distribution to verify against).
 
-The chain follows llama.cpp's default sampler order (``common/sampling.cpp``): repetition penalty →
-top-k → top-p → min-p → temperature → draw. Temperature 0 is greedy (argmax; ties go to the lowest
-id). Random draws use a NumPy PCG64 generator in float64 so the same seed gives the same text, and so
-speculative rejection sampling and plain sampling draw from the same kind of stream.
+The chain follows llama.cpp's default sampler order (``common/sampling.cpp``): logit bias →
+penalties (repetition, then frequency and presence, over the last ``repeat_last_n`` tokens) → top-k →
+top-p → min-p → temperature → draw. Temperature 0 is greedy (argmax; ties go to the lowest
+id). Random draws use NumPy PCG64 generators in float64. The token at absolute position p is drawn
+with p's own stream, keyed by (seed, p): plain decoding and speculative verification of a
+deterministic drafter draw every token the same way, so the same seed gives the same text with and
+without speculation, at any draft length and batch.
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ class SamplingParams:
         seed: random seed; -1 picks one (reported in the stats so a run can be repeated).
         stop: strings that end generation (not included in the output).
         ignore_eos: keep generating past EOS / end-of-turn (benchmarks), as llama.cpp's --ignore-eos.
+        presence_penalty: subtracted once from the logit of every token seen in the last
+            ``repeat_last_n`` tokens (OpenAI's ``presence_penalty``, -2..2); 0 disables.
+        frequency_penalty: subtracted from a token's logit once per occurrence in the last
+            ``repeat_last_n`` tokens (OpenAI's ``frequency_penalty``, -2..2); 0 disables.
+        logit_bias: ``((token id, bias), ...)`` added to the logits before everything else; a bias of
+            ``-inf`` (OpenAI's -100 maps to it at the server) bans the token.
     """
 
     temperature: float = 0.8
@@ -44,6 +53,9 @@ class SamplingParams:
     seed: int = -1
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> "SamplingParams":
         """Return self, or raise :class:`InputError` naming the bad value and its range."""
@@ -58,6 +70,11 @@ class SamplingParams:
             (self.max_tokens == -1 or self.max_tokens >= 1,
              f"the number of tokens to generate must be >= 1, or -1 for no limit (got {self.max_tokens})"),
             (self.seed >= -1, f"seed must be >= 0, or -1 for a random one (got {self.seed})"),
+            (math.isfinite(self.presence_penalty), f"presence penalty must be a finite number (got {self.presence_penalty})"),
+            (math.isfinite(self.frequency_penalty),
+             f"frequency penalty must be a finite number (got {self.frequency_penalty})"),
+            (all(not math.isnan(b) and b != math.inf for _, b in self.logit_bias),
+             "a logit bias must be a number (-inf bans the token)"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -68,15 +85,37 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def raw_logits(self) -> bool:
+        """Whether nothing changes the logits before the filters (no bias, no penalty)."""
+        return (self.repeat_penalty == 1.0 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+                and not self.logit_bias)
+
 
 def apply_repeat_penalty(logits: torch.Tensor, history, params: SamplingParams) -> torch.Tensor:
-    """logits float32 [V] with the penalty applied to the last ``repeat_last_n`` ids of ``history``."""
-    if params.repeat_penalty == 1.0 or params.repeat_last_n == 0 or not history:
+    """logits float32 [V] after the logit bias, then llama.cpp's penalties over the last
+    ``repeat_last_n`` ids of ``history``: the repetition penalty (divide positive / multiply negative
+    logits of tokens seen), then ``frequency_penalty × count + presence_penalty`` subtracted."""
+    if params.raw_logits:
         return logits
-    ids = torch.tensor(sorted(set(history[-params.repeat_last_n:])), dtype=torch.long, device=logits.device)
-    vals = logits[ids]
     logits = logits.clone()
-    logits[ids] = torch.where(vals > 0, vals / params.repeat_penalty, vals * params.repeat_penalty)
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=logits.device)
+        logits[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype, device=logits.device)
+    window = list(history[-params.repeat_last_n:]) if params.repeat_last_n and history else []
+    if not window:
+        return logits
+    counts: dict[int, int] = {}
+    for t in window:
+        counts[t] = counts.get(t, 0) + 1
+    ids = torch.tensor(sorted(counts), dtype=torch.long, device=logits.device)
+    vals = logits[ids]
+    if params.repeat_penalty != 1.0:
+        vals = torch.where(vals > 0, vals / params.repeat_penalty, vals * params.repeat_penalty)
+    if params.frequency_penalty or params.presence_penalty:
+        n = torch.tensor([counts[t] for t in sorted(counts)], dtype=logits.dtype, device=logits.device)
+        vals = vals - n * params.frequency_penalty - params.presence_penalty
+    logits[ids] = vals
     return logits
 
 
@@ -140,8 +179,24 @@ class Sampler:
         j = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True).item())
         return int(ids[min(j, ids.shape[0] - 1)])
 
-    def sample(self, logits: torch.Tensor, history=()) -> int:
-        """One token from logits float32 [V]."""
-        if self.params.greedy and (self.params.repeat_penalty == 1.0):
+    def uniform_at(self, pos: int) -> float:
+        """The float64 draw in [0, 1) of absolute position ``pos``: its own stream, keyed by (seed,
+        position), so a token's draw does not depend on how many draws came before it."""
+        return float(np.random.Generator(np.random.PCG64([self.seed, pos])).random())
+
+    def draw_at(self, pos: int, ids: torch.Tensor, probs: torch.Tensor) -> int:
+        """One id from (ids, probs) with position ``pos``'s draw (:meth:`uniform_at`)."""
+        if ids.shape[0] == 1:
+            return int(ids[0])
+        cdf = torch.cumsum(probs, 0)
+        u = self.uniform_at(pos) * float(cdf[-1])
+        j = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True).item())
+        return int(ids[min(j, ids.shape[0] - 1)])
+
+    def sample(self, logits: torch.Tensor, history=(), pos: int | None = None) -> int:
+        """One token from logits float32 [V]; with ``pos`` (its absolute position) drawn from that
+        position's own stream (:meth:`draw_at`), else from the request's running stream."""
+        if self.params.greedy and self.params.raw_logits:
             return int(logits.argmax())
-        return self.draw(*filtered_probs(logits, self.params, history))
+        dist = filtered_probs(logits, self.params, history)
+        return self.draw(*dist) if pos is None else self.draw_at(pos, *dist)

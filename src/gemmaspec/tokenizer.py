@@ -140,9 +140,11 @@ class GemmaTokenizer:
 
     # -- use -------------------------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids of ``text``; special-token strings in it (``<start_of_turn>``) become their ids."""
+        """Token ids of ``text``; special-token strings in it (``<start_of_turn>``) become their ids.
+        BOS is prepended when ``add_bos`` (default: the file's setting) says so and the text does not
+        already begin with it (never two)."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos if add_bos is None else add_bos:
+        if (self.add_bos if add_bos is None else add_bos) and ids[:1] != [self.bos_id]:
             ids = [self.bos_id] + ids
         return ids
 
@@ -177,8 +179,98 @@ class GemmaTokenizer:
         except jinja2.TemplateError as exc:
             raise InputError(f"chat template failed: {exc}") from None
 
+    def encode_text(self, text: str, add_bos: bool | None = False) -> list[int]:
+        """Token ids of ``text`` with every character taken as text: a control-token spelling in it
+        (``<start_of_turn>``, ``<bos>``) is tokenized as the characters it is made of, never as the
+        control token."""
+        backend = self.backend
+        old = backend.encode_special_tokens
+        backend.encode_special_tokens = True
+        try:
+            ids = backend.encode(text, add_special_tokens=False).ids if text else []
+        finally:
+            backend.encode_special_tokens = old
+        if (self.add_bos if add_bos is None else add_bos) and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id] + ids
+        return ids
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the control tokens (added tokens marked special: ``<bos>``, ``<start_of_turn>``...)."""
+        if getattr(self, "_special_ids", None) is None:
+            self._special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+        return self._special_ids
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Ids of the rendered chat prompt (the template writes BOS itself, so none is added)."""
+        """Ids of the rendered chat prompt (the template writes BOS itself, so none is added).
+
+        Message contents are text: a control-token spelling inside one (``<end_of_turn>`` typed by a
+        user) is tokenized as characters, so a message cannot forge a turn. Only the template's own
+        text yields control tokens.
+
+        Raises:
+            InputError: bad messages (see :meth:`apply_chat_template`), or a template that changes
+                message content in a way that hides where it lies while the content spells a control token.
+        """
         text = self.apply_chat_template(messages)
         bos = self.backend.id_to_token(self.bos_id)
-        return self.encode(text, add_bos=not text.startswith(bos))
+        specials = self.special_ids
+        if not any(specials.intersection(self.backend.encode(m["content"], add_special_tokens=False).ids)
+                   for m in messages if m["content"]):
+            return self.encode(text, add_bos=not text.startswith(bos))
+        return self._encode_chat_guarded(messages, text)
+
+    def _encode_chat_guarded(self, messages: list[dict], text: str) -> list[int]:
+        """The rendered prompt with message contents marked (by rendering them wrapped in two
+        noncharacters), split at the template's control tokens only; each run between them is
+        tokenized as text. For content without control-token spellings this gives the ids plain
+        encoding gives (both split at control tokens and tokenize the runs between)."""
+        import re
+
+        start, end = "\ufdd0", "\ufdd1"
+        for m in messages:
+            if start in m["content"] or end in m["content"]:
+                raise InputError("message content contains U+FDD0 or U+FDD1 (noncharacters); remove them")
+        marked = None
+        for strip in (False, True):
+            wrapped = [{**m, "content": start + (m["content"].strip() if strip else m["content"]) + end}
+                       for m in messages]
+            cand = self.apply_chat_template(wrapped)
+            if cand.replace(start, "").replace(end, "") == text:
+                marked = cand
+                break
+        if marked is None:
+            raise InputError("this chat template transforms message content, so control-token text in a message "
+                             "(such as <start_of_turn>) cannot be kept as text; remove it from the message")
+        # pieces: (text, is_content)
+        pieces, i = [], 0
+        while i < len(marked):
+            a = marked.find(start, i)
+            if a < 0:
+                pieces.append((marked[i:], False))
+                break
+            b = marked.index(end, a)
+            pieces += [(marked[i:a], False), (marked[a + 1:b], True)]
+            i = b + 1
+        ids, run = [], []
+        for piece, is_content in pieces:
+            if is_content or not piece:
+                run.append(piece)
+                continue
+            found = [t for t in self.backend.encode(piece, add_special_tokens=False).ids if t in self.special_ids]
+            if not found:
+                run.append(piece)
+                continue
+            names = sorted({self.backend.id_to_token(t) for t in found}, key=len, reverse=True)
+            parts = re.split("(" + "|".join(map(re.escape, names)) + ")", piece)
+            for j, part in enumerate(parts):
+                if j % 2:  # a control token of the template
+                    ids += self.encode_text("".join(run))
+                    run = []
+                    ids.append(self.backend.token_to_id(part))
+                else:
+                    run.append(part)
+        ids += self.encode_text("".join(run))
+        if self.add_bos and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id] + ids
+        return ids

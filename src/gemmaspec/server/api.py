@@ -1,16 +1,17 @@
-"""The HTTP API: OpenAI-compatible endpoints plus llama-server's ``/health``, ``/props``, ``/slots``
-and ``/metrics``, on FastAPI. See ``docs/server.md`` for usage.
+"""The HTTP API: OpenAI-compatible endpoints plus llama-server's native ones (``/completion``,
+``/tokenize``, ``/detokenize``, ``/apply-template``, ``/health``, ``/props``, ``/slots``, ``/metrics``),
+on FastAPI. See ``docs/server.md`` for usage and the conformance table.
 
 Request bodies and responses are shaped in :mod:`.schema`; errors are OpenAI-style: 400 for
-malformed JSON, missing or invalid fields and prompts longer than the context, 401 for a wrong or
-missing API key, 404 for an unknown model or path, 503 while the model loads. Generation runs on the :class:`~gemmaspec.server.scheduler.Scheduler` thread; each
+malformed JSON, missing, invalid or unsupported fields and prompts longer than the context, 401 for a
+wrong or missing API key, 403/400/415/413 from :mod:`.security` (foreign origin, foreign Host, a body
+that is not JSON, a body too large), 404 for an unknown path, 503 while the model loads. Generation runs on the :class:`~gemmaspec.server.scheduler.Scheduler` thread; each
 request gets its events through an asyncio queue.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -22,13 +23,17 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..errors import GemmaspecError
 from ..sampling import SamplingParams
+from ..streaming import stop_matcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .scheduler import Job, Scheduler
-from .schema import (APIError, ChatRequest, chat_messages, CompletionRequest, Formatter, completion_prompt, json_body, sampling_params,
+from .schema import (APIError, ChatRequest, chat_messages, CompletionRequest, Formatter, NativeCompletionRequest,
+                     NativeFormatter, completion_prompt, fingerprint, json_body, refuse_unsupported, sampling_params,
                      spec_overrides, sse, validate)
+from .security import MAX_BODY_BYTES, Guard, key_matches
 
 log = logging.getLogger("gemmaspec.server")
 
@@ -41,6 +46,10 @@ class ServeConfig:
 
     ``spec_type`` None picks the default: ``ngram-simple``, or with ``draft_model`` ``draft-mtp`` for an
     assistant checkpoint and ``draft-simple`` for a model. ``n_max`` is an int (0..15) or ``"auto"``.
+    ``defaults`` are the sampling settings a request gets for the fields it leaves out (``--temp``,
+    ``--seed``...); ``n_predict`` (``-n``) the token limit for every endpoint (None: 16 for
+    ``/v1/completions``, no limit for chat and ``/completion``). ``allowed_hosts``, ``cors_origins`` and
+    ``max_body`` go to :class:`~gemmaspec.server.security.Guard`.
     """
 
     model: str | None = None
@@ -57,6 +66,11 @@ class ServeConfig:
     threads: int | None = None
     api_key: str | None = None
     alias: str | None = None
+    defaults: SamplingParams = SamplingParams()
+    n_predict: int | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    max_body: int = MAX_BODY_BYTES
 
 
 # -- the app -----------------------------------------------------------------------------------------
@@ -70,9 +84,16 @@ class _JobStream(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send):
+        async def watch():  # a client gone before the first event (e.g. during prefill) is noticed too
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self._on_close()
+
+        watcher = asyncio.create_task(watch())
         try:
             await super().__call__(scope, receive, send)
         finally:
+            watcher.cancel()
             self._on_close()
 
 
@@ -120,11 +141,16 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
 
     app = FastAPI(title="gemmaspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.metrics, app.state.info, app.state.cfg = scheduler, metrics, info, cfg
+    if cfg.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], allow_credentials="*" not in cfg.cors_origins)
+    app.add_middleware(Guard, allowed_hosts=cfg.allowed_hosts, cors_origins=cfg.cors_origins, max_body=cfg.max_body)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        if request.url.path.endswith("completions"):
-            metrics.failed("chat" if "chat" in request.url.path else "completions")
+        path = request.url.path
+        if path.endswith(("completions", "completion")):
+            metrics.failed("chat" if "chat" in path else "completions" if path.startswith("/v1/") else "completion")
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -136,7 +162,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         if cfg.api_key and request.url.path not in PUBLIC_PATHS:
             auth = request.headers.get("authorization", "")
             given = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-            if not given or not hmac.compare_digest(given.encode(), cfg.api_key.encode()):
+            if not given or not key_matches(given, cfg.api_key):
                 raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'")
         if need_model and not scheduler.ready.is_set():
             raise APIError(503, "Loading model")
@@ -162,52 +188,152 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             "meta": {"n_ctx": e.ctx_size, "n_vocab": e.tokenizer.vocab_size,
                      "architecture": getattr(e.model.config, "architecture", "")}}]}
 
+    def settings(params: SamplingParams | None = None, n_max=None, n_min=None) -> dict:
+        """llama-server's ``params`` / ``generation_settings`` for a request (default: the server's)."""
+        p = params or cfg.defaults
+        n_pred = p.max_tokens if params is not None else (cfg.n_predict if cfg.n_predict is not None else -1)
+        return {"n_predict": n_pred, "max_tokens": n_pred, "seed": p.seed, "temperature": p.temperature,
+                "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n,
+                "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
+                "frequency_penalty": p.frequency_penalty, "logit_bias": [[t, b if b != float("-inf") else False] for t, b in p.logit_bias],
+                "stop": list(p.stop), "ignore_eos": p.ignore_eos, "n_probs": 0,
+                "samplers": ["logit_bias", "penalties", "top_k", "top_p", "min_p", "temperature"],
+                "speculative.n_max": cfg.n_max if n_max is None else n_max,
+                "speculative.n_min": cfg.n_min if n_min is None else n_min, "speculative.p_min": cfg.p_min}
+
+    def describe(job) -> dict:
+        st = job.stats if job else None
+        p = job.params if job else None
+        return {"id_task": -1 if job is None else job.name, "speculative": info["spec_type"] != "none",
+                "params": settings(p, job.n_max if job else None, job.n_min if job else None),
+                "next_token": {"has_next_token": job is not None, "has_new_line": False,
+                               "n_remain": -1 if p is None or p.max_tokens == -1 else p.max_tokens - st.generated_tokens,
+                               "n_decoded": st.generated_tokens if st else 0}}
+
     @app.get("/props")
     async def props(request: Request):
         guard(request)
-        e, d = info["engine"], SamplingParams()
+        e = info["engine"]
         return {
-            "model": info["model_id"], "model_path": str(info["path"]), "n_ctx": e.ctx_size,
-            "total_slots": cfg.n_slots, "batched_forward": scheduler.batched,
+            "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": e.ctx_size,
+                                            "speculative": info["spec_type"] != "none", "is_processing": False,
+                                            "params": settings(), "prompt": "",
+                                            "next_token": {"has_next_token": True, "has_new_line": False,
+                                                           "n_remain": -1, "n_decoded": 0}},
+            "total_slots": cfg.n_slots, "model_path": str(info["path"]), "chat_template": e.tokenizer.chat_template,
+            "chat_template_caps": {}, "modalities": {"vision": False, "audio": False}, "build_info": fingerprint(),
+            "model": info["model_id"], "n_ctx": e.ctx_size, "batched_forward": scheduler.batched,
             "speculative": {"type": info["spec_type"], "n_max": cfg.n_max, "n_min": cfg.n_min, "p_min": cfg.p_min,
                             "ngram_size": cfg.ngram_size, "ngram_min": cfg.ngram_min, "draft_model": cfg.draft_model},
-            "default_generation_settings": {"temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p,
-                                            "min_p": d.min_p, "repeat_penalty": d.repeat_penalty,
-                                            "max_tokens_completions": 16, "max_tokens_chat": None},
-            "chat_template": e.tokenizer.chat_template,
         }
 
     @app.get("/slots")
     async def slots(request: Request):
         guard(request)
-        return scheduler.slots_info()
+        return scheduler.slots_info(describe)
 
     @app.get("/metrics")
     async def prometheus(request: Request):
         guard(request, need_model=False)
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    # -- tokens and templates (llama-server) -----------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        guard(request)
+        body = await json_body(request)
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise APIError(400, "missing required field 'content' (the text to tokenize)")
+        tok = info["engine"].tokenizer
+        ids = tok.encode(content, add_bos=bool(body.get("add_special", False))) if body.get("parse_special", True) \
+            else tok.encode_text(content, add_bos=bool(body.get("add_special", False)))
+        if not body.get("with_pieces", False):
+            return {"tokens": ids}
+        from .schema import TokenText
+
+        text_of = TokenText(tok)
+        out = []
+        for t in ids:
+            s, b = text_of(t)
+            out.append({"id": t, "piece": s if not s.startswith("bytes:") else list(b)})
+        return {"tokens": out}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        guard(request)
+        body = await json_body(request)
+        ids = body.get("tokens", [])
+        vocab = info["engine"].tokenizer.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise APIError(400, "'tokens' must be a list of token ids")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return {"content": info["engine"].tokenizer.decode(ids)}
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request):
+        guard(request)
+        req = validate(ChatRequest, await json_body(request))
+        try:
+            return {"prompt": info["engine"].tokenizer.apply_chat_template(chat_messages(req))}
+        except GemmaspecError as exc:
+            raise APIError(400, str(exc)) from None
+
     # -- generation ----------------------------------------------------------------------------------
+    def params_for(req, max_tokens, default_max):
+        e = info["engine"]
+        default = cfg.n_predict if cfg.n_predict is not None else default_max
+        return sampling_params(req, max_tokens, e.ctx_size, default_max=default, defaults=cfg.defaults,
+                               tokenizer=e.tokenizer)
+
     @app.post("/v1/completions")
-    @app.post("/completions")
     async def completions(request: Request):
         guard(request)
-        req = validate(CompletionRequest, await json_body(request))
+        body = await json_body(request)
+        refuse_unsupported(body)
+        req = validate(CompletionRequest, body)
         e = info["engine"]
-        params = sampling_params(req, req.max_tokens, e.ctx_size, default_max=16)
+        params = params_for(req, req.max_tokens, 16)
         ids = completion_prompt(req.prompt, e)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError(400, f"logprobs must be in 0..20 (got {req.logprobs})")
-        return await _generate(request, req, "completions", ids, params, req.logprobs)
+        fmt = Formatter("completions", f"cmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, req.logprobs,
+                        _include_usage(req))
+        return await _generate(request, req, "completions", ids, params, req.logprobs, fmt)
+
+    @app.post("/completion")
+    @app.post("/completions")
+    async def native_completion(request: Request):
+        guard(request)
+        body = await json_body(request)
+        refuse_unsupported(body, native=True)
+        req = validate(NativeCompletionRequest, body)
+        e = info["engine"]
+        params = params_for(req, req.max_tokens, -1)
+        ids = completion_prompt(req.prompt, e)
+        if not 0 <= req.n_probs <= 20:
+            raise APIError(400, f"n_probs must be in 0..20 (got {req.n_probs})")
+        if not -1 <= req.id_slot < cfg.n_slots:
+            raise APIError(400, f"id_slot must be -1 (any) or a slot in 0..{cfg.n_slots - 1} (got {req.id_slot})")
+        n_max, n_min = spec_overrides(req, cfg)
+        fmt = NativeFormatter(info["model_id"], e.tokenizer, req.n_probs, req.return_tokens,
+                              {**settings(params, n_max, n_min), "n_probs": req.n_probs, "n_ctx": e.ctx_size,
+                               "model": info["model_id"]}, e.tokenizer.decode(ids))
+        return await _generate(request, req, "completion", ids, params, req.n_probs if req.n_probs else None, fmt,
+                               want_slot=req.id_slot)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat(request: Request):
         guard(request)
-        req = validate(ChatRequest, await json_body(request))
+        body = await json_body(request)
+        refuse_unsupported(body)
+        req = validate(ChatRequest, body)
         e = info["engine"]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params(req, max_tokens, e.ctx_size, default_max=-1)
+        params = params_for(req, max_tokens, -1)
         messages = chat_messages(req)
         try:
             ids = e.tokenizer.encode_chat(messages)
@@ -220,18 +346,32 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 raise APIError(400, f"top_logprobs must be in 0..20 (got {top})")
         elif req.top_logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true")
-        return await _generate(request, req, "chat", ids, params, top)
+        fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, top,
+                        _include_usage(req))
+        return await _generate(request, req, "chat", ids, params, top, fmt)
 
-    async def _generate(request: Request, req, kind: str, ids: list[int], params: SamplingParams, logprobs):
+    def _include_usage(req) -> bool | None:
+        opts = req.stream_options
+        if opts is None:
+            return None
+        if not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true")
+        v = opts.get("include_usage")
+        if v is not None and not isinstance(v, bool):
+            raise APIError(400, f"stream_options.include_usage must be true or false (got {v!r})")
+        return bool(v)
+
+    async def _generate(request: Request, req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt,
+                        want_slot: int = -1):
         e = info["engine"]
-        if req.model is not None and req.model not in info["names"]:
-            raise APIError(404, f"model '{req.model}' not found; this server serves '{info['model_id']}'",
-                           "not_found_error")
+        # any model name is accepted while one model is served (llama-server does the same)
         if len(ids) >= e.ctx_size:
-            raise APIError(400, f"the prompt is {len(ids)} tokens, the context is {e.ctx_size}: shorten the prompt "
-                                f"or start the server with a larger -c", "exceed_context_size_error",
+            raise APIError(400, f"request ({len(ids)} tokens) exceeds the available context size ({e.ctx_size} "
+                                f"tokens), try increasing it (gemmaspec serve -c)", "exceed_context_size_error",
                            n_prompt_tokens=len(ids), n_ctx=e.ctx_size)
         n_max, n_min = spec_overrides(req, cfg)
+        if params.stop:  # build the stop-string automaton here, not on the scheduler thread
+            await asyncio.to_thread(stop_matcher, tuple(params.stop))
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -241,52 +381,73 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             except RuntimeError:  # the event loop is gone (shutdown)
                 pass
 
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        job = Job(ids, params, emit, n_max, n_min, logprobs, name=f"{prefix}-{uuid.uuid4().hex[:24]}", endpoint=kind)
+        name = getattr(fmt, "id", None) or f"cmpl-{uuid.uuid4().hex[:24]}"
+        job = Job(ids, params, emit, n_max, n_min, logprobs, name=name, endpoint=kind, want_slot=want_slot,
+                  cache_prompt=req.cache_prompt)
         try:
             scheduler.submit(job)
         except RuntimeError as exc:
             raise APIError(503, str(exc)) from None
-        fmt = Formatter(kind, job.name, info["model_id"], e.tokenizer, logprobs)
         if req.stream:
-            return _JobStream(_stream(queue, fmt, job), on_close=lambda: scheduler.cancel(job))
+            gen = _native_stream(queue, fmt, job) if kind == "completion" else _stream(queue, fmt, job)
+            return _JobStream(gen, on_close=lambda: scheduler.cancel(job))
+
+        async def watch():  # the client's disconnect, noticed at once (not when tokens stop flowing)
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            scheduler.cancel(job)
+            queue.put_nowait(("gone", None))
+
+        watcher = asyncio.create_task(watch())
         events = []
         try:
             while True:
-                try:
-                    what, payload = await asyncio.wait_for(queue.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        scheduler.cancel(job)
-                        return Response(status_code=499)
-                    continue
+                what, payload = await queue.get()
                 if what == "events":
                     events.extend(payload)
                 elif what == "done":
-                    return fmt.whole(events, job)
+                    return fmt.final(events, job) if kind == "completion" else fmt.whole(events, job)
+                elif what == "gone":
+                    return Response(status_code=499)
                 else:
                     raise APIError(*payload)
         finally:
+            watcher.cancel()
             scheduler.cancel(job)  # a no-op once the job is done
 
     async def _stream(queue, fmt: "Formatter", job: Job):
         if fmt.kind == "chat":
-            yield sse(fmt.chunk({"role": "assistant", "content": ""}, None))
+            yield sse(fmt.first_chunk())
         while True:
             what, payload = await queue.get()
             if what == "events":
                 for ev in payload:
                     yield sse(fmt.event_chunk(ev))
             elif what == "done":
-                yield sse(fmt.final_chunk(job))
+                for c in fmt.final_chunks(job):
+                    yield sse(c)
                 yield "data: [DONE]\n\n"
                 return
             else:
-                status, message = payload
-                yield sse({"error": {"message": message, "type": APIError.TYPES.get(status, "server_error"),
-                                      "code": status}})
+                yield _sse_error(payload)
+                return
+
+    async def _native_stream(queue, fmt: NativeFormatter, job: Job):
+        while True:
+            what, payload = await queue.get()
+            if what == "events":
+                for ev in payload:
+                    yield sse(fmt.event_chunk(ev, job))
+            elif what == "done":
+                yield sse(fmt.final([], job, content="", tokens=[]))
+                return
+            else:
+                yield _sse_error(payload)
                 return
 
     return app
 
 
+def _sse_error(payload) -> str:
+    status, message = payload
+    return sse({"error": {"message": message, "type": APIError.TYPES.get(status, "server_error"), "code": status}})

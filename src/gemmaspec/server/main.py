@@ -29,6 +29,21 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8085, help="port (default 8085; 0 picks a free one)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API endpoints")
     s.add_argument("-a", "--alias", default=None, help="model name clients use (default: the model's file name)")
+    s.add_argument("--allowed-hosts", action="append", default=[], metavar="NAMES",
+                   help="Host names the server answers to besides IP addresses and localhost (comma-separated, "
+                        "repeatable; '*' for any): a guard against DNS rebinding")
+    s.add_argument("--cors-origin", "--cors-origins", dest="cors_origin", action="append", default=[],
+                   metavar="ORIGINS", help="origins (https://app.example) whose pages may call the API cross-origin "
+                                           "(comma-separated, repeatable; '*' for any); default none")
+    d = s.add_argument_group("defaults for requests that leave them out (llama-server's flags)")
+    d.add_argument("-n", "--n-predict", type=int, default=None,
+                   help="token limit (default: 16 on /v1/completions, none on chat and /completion; -1 = none)")
+    d.add_argument("--temp", type=float, default=None, help="temperature (default 0.8)")
+    d.add_argument("--top-k", type=int, default=None, help="top-k (default 40)")
+    d.add_argument("--top-p", type=float, default=None, help="top-p (default 0.95)")
+    d.add_argument("--min-p", type=float, default=None, help="min-p (default 0.05)")
+    d.add_argument("--repeat-penalty", type=float, default=None, help="repetition penalty (default 1.0)")
+    d.add_argument("-s", "--seed", type=int, default=None, help="seed (default -1: a random seed per request)")
     add_spec(s, default=None,
              help_default="default ngram-simple; with -md: draft-mtp for a Gemma 4 target, else draft-simple")
     return s
@@ -77,10 +92,24 @@ def serve(args) -> int:
     # the slots' caches, plus the engine's own (allocated, never written by serve: it costs device memory
     # on CUDA, not resident memory on the CPU)
     est = memory_estimate(args, args.parallel, args.parallel + (1 if args.device == "cuda" else 0))
+    if args.n_predict is not None and (args.n_predict == 0 or args.n_predict < -1):
+        raise InputError(f"-n must be at least 1, or -1 for no limit (got {args.n_predict})")
+    given = {k: v for k, v in (("temperature", args.temp), ("top_k", args.top_k), ("top_p", args.top_p),
+                               ("min_p", args.min_p), ("repeat_penalty", args.repeat_penalty), ("seed", args.seed))
+             if v is not None}
+    from ..sampling import SamplingParams
+
+    defaults = SamplingParams(**given).validate()
+    split = lambda vals: tuple(x.strip() for v in vals for x in v.split(",") if x.strip())  # noqa: E731
+    hosts = split(args.allowed_hosts) + (args.host,)  # the bound name itself (IP literals always pass)
+    if args.host in ("0.0.0.0", "::", ""):  # every interface: the machine's own names too
+        hosts += (socket.gethostname(), socket.getfqdn())
     cfg = ServeConfig(model=args.model, draft_model=args.model_draft, spec_type=args.spec_type, n_max=n_max,
                       n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, ngram_size=args.spec_ngram_size,
                       ngram_min=args.spec_ngram_min, ctx_size=args.ctx_size, n_slots=args.parallel,
-                      device=args.device, threads=args.threads, api_key=args.api_key, alias=args.alias)
+                      device=args.device, threads=args.threads, api_key=args.api_key, alias=args.alias,
+                      defaults=defaults, n_predict=args.n_predict, allowed_hosts=hosts,
+                      cors_origins=split(args.cors_origin))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

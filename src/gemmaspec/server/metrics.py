@@ -8,6 +8,14 @@ Counters (Prometheus adds ``_total``): ``gemmaspec_requests_total{endpoint, fini
 (position 0 = the first draft token of a round). Gauges: ``gemmaspec_requests_running``,
 ``gemmaspec_requests_waiting``. Histogram: ``gemmaspec_time_to_first_token_seconds`` (arrival → first
 token, queueing included), ``gemmaspec_forward_batch_size`` (requests sharing each decode forward).
+
+The same figures under llama-server's names too, so its dashboards work: ``llamacpp:prompt_tokens_total``,
+``llamacpp:prompt_seconds_total``, ``llamacpp:tokens_predicted_total``,
+``llamacpp:tokens_predicted_seconds_total``, ``llamacpp:prompt_tokens_seconds`` and
+``llamacpp:predicted_tokens_seconds`` (average throughputs), ``llamacpp:requests_processing``,
+``llamacpp:requests_deferred``, ``llamacpp:n_decode_total`` (target forwards),
+``llamacpp:n_busy_slots_per_decode`` and ``llamacpp:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total``,
+``llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position}``.
 """
 
 from __future__ import annotations
@@ -37,6 +45,35 @@ class Metrics:
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
         Gauge("gemmaspec_requests_running", "Requests in a slot", registry=r).set_function(running)
         Gauge("gemmaspec_requests_waiting", "Requests queued for a slot", registry=r).set_function(waiting)
+        # llama-server's names
+        self.l_prompt = Counter("llamacpp:prompt_tokens", "Number of prompt tokens processed", registry=r)
+        self.l_prompt_s = Counter("llamacpp:prompt_seconds", "Prompt process time in seconds", registry=r)
+        self.l_pred = Counter("llamacpp:tokens_predicted", "Number of generation tokens processed", registry=r)
+        self.l_pred_s = Counter("llamacpp:tokens_predicted_seconds", "Predict process time in seconds", registry=r)
+        self.l_decode = Counter("llamacpp:n_decode", "Number of target forwards (llama_decode calls)", registry=r)
+        self.l_drafts = Counter("llamacpp:spec_decode_num_drafts", "Speculative verification steps", registry=r)
+        self.l_draft_tokens = Counter("llamacpp:spec_decode_num_draft_tokens", "Draft tokens generated", registry=r)
+        self.l_accepted = Counter("llamacpp:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.l_accepted_pos = Counter("llamacpp:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position", ["position"], registry=r)
+        self._busy = self._decodes = 0
+        self._sums = {"prompt": 0.0, "prompt_s": 0.0, "pred": 0.0, "pred_s": 0.0}
+        sm = self._sums
+        Gauge("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s", registry=r).set_function(
+            lambda: sm["prompt"] / sm["prompt_s"] if sm["prompt_s"] > 0 else 0.0)
+        Gauge("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s",
+              registry=r).set_function(lambda: sm["pred"] / sm["pred_s"] if sm["pred_s"] > 0 else 0.0)
+        Gauge("llamacpp:requests_processing", "Number of requests processing", registry=r).set_function(running)
+        Gauge("llamacpp:requests_deferred", "Number of requests deferred", registry=r).set_function(waiting)
+        Gauge("llamacpp:n_busy_slots_per_decode", "Average number of busy slots per target forward",
+              registry=r).set_function(lambda: self._busy / self._decodes if self._decodes else 0.0)
+
+    def decode(self, busy: int) -> None:
+        """Count one target forward shared by ``busy`` requests."""
+        self.batch_size.observe(busy)
+        self.l_decode.inc()
+        self._decodes += 1
+        self._busy += busy
 
     def record(self, job) -> None:
         """Count a finished (or cancelled) request: its tokens and speculative rounds."""
@@ -49,6 +86,16 @@ class Metrics:
         self.accepted.inc(st.spec.accepted)
         for i, n in enumerate(st.spec.accepted_per_pos):
             self.accepted_per_pos.labels(str(i)).inc(n)
+            self.l_accepted_pos.labels(str(i)).inc(n)
+        sm = self._sums
+        for key, counter, v in (("prompt", self.l_prompt, st.prompt_tokens - job.cache_n),
+                                ("prompt_s", self.l_prompt_s, st.prefill_ms / 1e3),
+                                ("pred", self.l_pred, st.generated_tokens), ("pred_s", self.l_pred_s, st.decode_ms / 1e3)):
+            counter.inc(v)
+            sm[key] += v
+        self.l_drafts.inc(st.spec.steps)
+        self.l_draft_tokens.inc(st.spec.drafted)
+        self.l_accepted.inc(st.spec.accepted)
         if job.t_first is not None:
             self.ttft.observe(job.ttft_ms / 1e3)
 

@@ -13,7 +13,8 @@ engine's round logic (draft → verify → stop checks → rollback) with ``gemm
 
 Requests join and leave between rounds. Because a batched forward computes every sequence's rows
 bit-identically to running it alone, each request's tokens at temperature 0 are exactly what it
-would get alone. A cancelled request (its client went away) leaves at the next round boundary.
+would get alone. A cancelled request (its client went away) leaves at the next round boundary, or
+during its prefill before the next chunk of the prompt.
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ class Job:
         n_max, n_min: draft length (int or "auto") and minimum proposal length for this request.
         logprobs: None, or how many alternatives to report with each token's log-probability.
         name: request id used in logs and ``/slots`` (``cmpl-...``).
-        endpoint: ``completions`` or ``chat`` (a metrics label).
+        endpoint: ``completions``, ``chat`` or ``completion`` (llama-server's native; a metrics label).
+        want_slot: run only in this slot (llama-server's ``id_slot``); -1 for any.
+        cache_prompt: reuse the KV of the longest prefix a free slot already holds (llama-server's
+            ``cache_prompt``); the request goes to the free slot holding the longest one.
+    After it ends, ``stop_word`` is the stop string that ended it ("" if none) and ``cache_n`` the
+    prompt tokens reused from the slot's cache (0: the whole prompt was prefilled).
     """
 
     prompt_ids: list[int]
@@ -58,6 +64,10 @@ class Job:
     logprobs: int | None = None
     name: str = ""
     endpoint: str = "completions"
+    want_slot: int = -1
+    cache_prompt: bool = True
+    stop_word: str = ""
+    cache_n: int = 0
     stats: RequestStats = field(default_factory=RequestStats)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first: float | None = None  # first token handed to emit (perf_counter seconds)
@@ -79,6 +89,16 @@ class Slot:
     drafter: object
     job: Job | None = None
     served: int = 0  # requests completed in this slot
+    cached: list = field(default_factory=list)  # the ids whose KV the cache holds (positions 0..)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class Scheduler:
@@ -161,8 +181,9 @@ class Scheduler:
         with self._cond:
             return sum(s.job is not None for s in self.slots)
 
-    def slots_info(self) -> list[dict]:
-        """One dict per slot: whether it is busy and with what (``/slots``)."""
+    def slots_info(self, describe=None) -> list[dict]:
+        """One dict per slot: whether it is busy and with what (``/slots``); ``describe(job or None)``
+        adds fields (the server's llama-server ``params`` and ``next_token``)."""
         out = []
         with self._cond:
             for s in self.slots:
@@ -178,6 +199,7 @@ class Scheduler:
                     "draft_n": st.spec.drafted if st else 0,
                     "draft_n_accepted": st.spec.accepted if st else 0,
                     "requests_served": s.served,
+                    **(describe(j) if describe else {}),
                 })
         return out
 
@@ -208,10 +230,14 @@ class Scheduler:
                 if self._stop:
                     break
                 admit = []
-                for s in self.slots:
-                    if s.job is None and self._queue:
-                        s.job = self._queue.popleft()
-                        s.job.slot = s.index
+                for job in list(self._queue):  # arrival order; a job waiting for its slot lets others pass
+                    free = [s for s in self.slots if s.job is None and job.want_slot in (-1, s.index)]
+                    if free:
+                        s = free[0]
+                        if job.cache_prompt and len(free) > 1:  # the slot holding the longest prefix
+                            s = max(free, key=lambda f: common_prefix(f.cached, job.prompt_ids))
+                        self._queue.remove(job)
+                        s.job, job.slot = job, s.index
                         admit.append(s)
             for s in admit:
                 self._admit(s)
@@ -233,7 +259,10 @@ class Scheduler:
         try:
             job.state = RequestState(self.engine, job.prompt_ids, job.params, s.drafter, job.n_max, job.n_min,
                                      job.stats, cache=s.cache, logprobs=job.logprobs)
-            events = job.state.prefill()
+            reuse = common_prefix(s.cached, job.prompt_ids) if job.cache_prompt else 0
+            s.cached = []  # the cache changes from here on
+            events = job.state.prefill(lambda: job.cancelled, reuse)
+            job.cache_n = job.state.reused
         except GemmaspecError as exc:
             self._fail(s, str(exc), status=400)
             return
@@ -258,7 +287,8 @@ class Scheduler:
             return
         model = self.engine.model
         if self.metrics is not None:
-            self.metrics.batch_size.observe(len(live) if self.batched else 1)
+            for _ in range(1 if self.batched else len(live)):
+                self.metrics.decode(len(live) if self.batched else 1)
         try:
             if self.batched:
                 outs = model.forward_batch([(r.tokens, s.cache) for r, s in zip(rounds, live)],
@@ -293,6 +323,9 @@ class Scheduler:
         job = s.job
         if job.cancelled and job.state is not None:
             job.state.cancel()
+        if job.state is not None:
+            job.stop_word = job.state.stop.word
+            s.cached = job.state.tokens[:s.cache.length]
         job.t_done = time.perf_counter()
         with self._cond:
             s.job = None
@@ -308,6 +341,7 @@ class Scheduler:
 
     def _fail(self, s: Slot, message: str, status: int = 500) -> None:
         job = s.job
+        s.cached = []
         job.t_done = time.perf_counter()
         with self._cond:
             s.job = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 from fastapi import Request
@@ -44,26 +45,53 @@ class APIError(Exception):
 
 
 # -- request bodies ----------------------------------------------------------------------------------
+MAX_STOP_STRINGS = 64
+"""Most stop strings a request may give."""
+MAX_STOP_CHARS = 1024
+"""Longest stop string, in characters (checking a token costs at most its own characters, see
+:class:`~gemmaspec.streaming.StopStrings`; the limits keep building the matcher cheap)."""
+MAX_MESSAGES = 4096
+"""Most messages a chat request may carry."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects in a request body."""
+
+
 class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
+    n_predict: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float | bool] | list[list] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
+    stream_options: dict | None = None
     ignore_eos: bool = False
+    cache_prompt: bool = True
 
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str]
     logprobs: int | None = None
+
+
+class NativeCompletionRequest(GenerationRequest):
+    """llama-server's ``POST /completion``."""
+
+    prompt: str | list[int | str]
+    n_probs: int = 0
+    return_tokens: bool = False
+    id_slot: int = -1
 
 
 class ChatMessage(BaseModel):
@@ -80,6 +108,47 @@ class ChatRequest(GenerationRequest):
     max_completion_tokens: int | None = None
 
 
+# Fields that change what a client gets and that gemmaspec does not implement: refused with a 400 that
+# names them, never accepted and ignored. Each maps to a predicate on the value: True = refuse.
+def _set(v) -> bool:
+    return v not in (None, False, "", [], {})
+
+
+UNSUPPORTED = {
+    "tools": (_set, "tool calling is not supported"),
+    "functions": (_set, "function calling is not supported"),
+    "tool_choice": (lambda v: v not in (None, "none", "auto"), "tool calling is not supported"),
+    "function_call": (lambda v: v not in (None, "none", "auto"), "function calling is not supported"),
+    "response_format": (lambda v: not (isinstance(v, dict) and v.get("type") == "text") and v is not None,
+                        "constrained decoding (json_object, json_schema) is not supported; only type 'text'"),
+    "json_schema": (_set, "constrained decoding is not supported"),
+    "grammar": (_set, "grammar-constrained decoding is not supported"),
+    "echo": (_set, "echoing the prompt is not supported"),
+    "suffix": (_set, "insertion (suffix) is not supported"),
+    "best_of": (lambda v: v not in (None, 1), "only best_of = 1 is supported"),
+    "mirostat": (lambda v: v not in (None, 0), "mirostat sampling is not supported"),
+    "dry_multiplier": (lambda v: v not in (None, 0, 0.0), "DRY sampling is not supported"),
+    "xtc_probability": (lambda v: v not in (None, 0, 0.0), "XTC sampling is not supported"),
+    "typical_p": (lambda v: v not in (None, 1, 1.0), "typical-p sampling is not supported"),
+    "dynatemp_range": (lambda v: v not in (None, 0, 0.0), "dynamic temperature is not supported"),
+    "samplers": (_set, "a custom sampler order is not supported (the order is llama.cpp's default)"),
+    "n_probs": (lambda v: v not in (None, 0), "n_probs belongs to /completion; use logprobs here"),
+    "lora": (_set, "LoRA adapters are not supported"),
+    "audio": (_set, "audio output is not supported"),
+    "modalities": (lambda v: v not in (None, ["text"]), "only text output is supported"),
+}
+NATIVE_OK = {"n_probs"}  # fields /completion implements
+
+
+def refuse_unsupported(body: dict, native: bool = False) -> None:
+    """Raise a 400 naming the first field of ``body`` that would change the output but is not implemented."""
+    for name, (bad, why) in UNSUPPORTED.items():
+        if native and name in NATIVE_OK:
+            continue
+        if name in body and bad(body[name]):
+            raise APIError(400, f"'{name}' is not supported by gemmaspec: {why} (drop the field)")
+
+
 def validate(model_cls, body: dict):
     try:
         return model_cls.model_validate(body)
@@ -93,59 +162,153 @@ def validate(model_cls, body: dict):
 
 
 
+def _depth_ok(obj, limit: int) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            if d > limit:
+                return False
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return True
+
+
 async def json_body(request: Request) -> dict:
+    """The request body as a JSON object.
+
+    Raises:
+        APIError: 400 for a body that is not JSON, not an object, or nested deeper than ``MAX_JSON_DEPTH``.
+    """
     raw = await request.body()
     try:
         body = json.loads(raw)
+    except RecursionError:
+        body = None
     except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON ({exc})") from None
+    if body is None and raw.strip() != b"null" or not _depth_ok(body, MAX_JSON_DEPTH):
+        raise APIError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels of arrays "
+                            "and objects)")
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
 
 
-def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int, default_max: int) -> SamplingParams:
+def _logit_bias(value, vocab: int, tokenizer) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` or llama-server's ``[[id or text, bias or false], ...]`` →
+    ``((id, bias), ...)``; -100 or less, and ``false``, ban the token (bias -inf); text stands for
+    each of its tokens."""
+    if value is None:
+        return ()
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise APIError(400, "logit_bias must be {\"token id\": bias} or [[token, bias], ...]")
+        key, bias = pair
+        if bias is False:
+            bias = -math.inf
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise APIError(400, f"logit_bias values must be numbers (got {bias!r} for {key!r})")
+        elif bias <= -100:
+            bias = -math.inf
+        if isinstance(key, int) and not isinstance(key, bool):
+            ids = [key]
+        elif isinstance(key, str) and key.lstrip("-").isdigit():
+            ids = [int(key)]
+        elif isinstance(key, str) and isinstance(value, list):
+            ids = tokenizer.encode(key, add_bos=False)
+        else:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id")
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise APIError(400, f"logit_bias token id {t} is outside the vocabulary (0..{vocab - 1})")
+            out[t] = float(bias)
+    return tuple(out.items())
+
+
+def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int, default_max: int,
+                    defaults: SamplingParams | None = None, tokenizer=None) -> SamplingParams:
+    """The request's :class:`SamplingParams`; unset fields take the server's defaults (``--temp``,
+    ``--seed``, ``-n``...). ``max_tokens`` -1 means until a stop or a full context.
+
+    Raises:
+        APIError: 400 naming the bad field.
+    """
     if req.n != 1:
         raise APIError(400, f"only n = 1 is supported (got {req.n})")
+    d = defaults or SamplingParams()
+    if max_tokens is None:
+        max_tokens = req.n_predict
     if max_tokens is None:
         max_tokens = default_max
+    elif max_tokens == -1:
+        pass
     elif max_tokens <= 0:
-        raise APIError(400, f"max_tokens must be at least 1 (got {max_tokens})")
+        raise APIError(400, f"max_tokens must be at least 1, or -1 for no limit (got {max_tokens})")
     elif max_tokens > ctx:
         raise APIError(400, f"max_tokens ({max_tokens}) is above the context size ({ctx})")
-    d = SamplingParams()
     temp = d.temperature if req.temperature is None else req.temperature
     if not (math.isfinite(temp) and 0 <= temp <= 2):
         raise APIError(400, f"temperature must be between 0 and 2 (got {temp})")
     top_p = d.top_p if req.top_p is None else req.top_p
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise APIError(400, f"top_p must be in (0, 1] (got {top_p})")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and not (math.isfinite(v) and -2 <= v <= 2):
+            raise APIError(400, f"{name} must be between -2 and 2 (got {v})")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"too many stop strings: {len(stop)} (at most {MAX_STOP_STRINGS})")
+    long = [s for s in stop if len(s) > MAX_STOP_CHARS]
+    if long:
+        raise APIError(400, f"a stop string is {len(long[0])} characters long (at most {MAX_STOP_CHARS})")
+    vocab = tokenizer.vocab_size if tokenizer is not None else 1 << 30
     try:
         return SamplingParams(
             temperature=temp, top_p=top_p, top_k=d.top_k if req.top_k is None else req.top_k,
             min_p=d.min_p if req.min_p is None else req.min_p,
             repeat_penalty=d.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
-            max_tokens=max_tokens, seed=-1 if req.seed is None else req.seed,
+            repeat_last_n=d.repeat_last_n if req.repeat_last_n is None else req.repeat_last_n,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=_logit_bias(req.logit_bias, vocab, tokenizer),
+            max_tokens=max_tokens, seed=d.seed if req.seed is None else req.seed,
             stop=tuple(s for s in stop if s), ignore_eos=req.ignore_eos).validate()
     except GemmaspecError as exc:
         raise APIError(400, str(exc)) from None
 
 
 def completion_prompt(prompt, engine) -> list[int]:
+    """Token ids of a completion prompt: text (special-token spellings such as ``<start_of_turn>``
+    become those tokens, as in llama-server; BOS added when the model wants one and the text does not
+    start with it), token ids (used as given), or llama-server's mix of both (BOS added when the first
+    element is text).
+
+    Raises:
+        APIError: 400 for several prompts, an id outside the vocabulary, or an empty prompt.
+    """
+    tok = engine.tokenizer
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise APIError(400, f"one prompt per request is supported (got {len(prompt)})")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return engine.tokenizer.encode(prompt)
-    vocab = engine.tokenizer.vocab_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    if not prompt:
+        ids = tok.encode(prompt)
+    else:
+        vocab = tok.vocab_size
+        bad = [t for t in prompt if isinstance(t, int) and not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        ids = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                ids.extend(tok.encode(p, add_bos=None if i == 0 else False))
+            else:
+                ids.append(p)
+    if not ids:
         raise APIError(400, "the prompt is empty")
-    return list(prompt)
+    return ids
 
 
 def spec_overrides(req, cfg) -> tuple[int | str, int]:
@@ -173,6 +336,8 @@ def chat_messages(req: ChatRequest) -> list[dict]:
     Raises:
         APIError: 400 for an unknown role, a missing content, or a non-text content part.
     """
+    if len(req.messages) > MAX_MESSAGES:
+        raise APIError(400, f"too many messages: {len(req.messages)} (at most {MAX_MESSAGES})")
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -182,9 +347,11 @@ def chat_messages(req: ChatRequest) -> list[dict]:
             raise APIError(400, f"messages[{i}].content is missing: a {m.role} message needs text")
         if isinstance(content, list):
             parts = []
-            for part in content:
+            for j, part in enumerate(content):
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages[{i}]: only text content parts are supported")
+                    kind = part.get("type") or "untyped"
+                    raise APIError(400, f"messages[{i}].content[{j}]: '{kind}' parts are not supported by gemmaspec "
+                                        "(a text-only model): only text content parts")
                 parts.append(part["text"])
             content = "".join(parts)
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
@@ -195,28 +362,76 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-class Formatter:
-    """Builds OpenAI response objects (whole or streamed chunks) for one request."""
+def fingerprint() -> str:
+    """``system_fingerprint``: the gemmaspec version that answered."""
+    from .. import __version__
 
-    def __init__(self, kind: str, rid: str, model: str, tokenizer, logprobs: int | None):
+    return f"gemmaspec-{__version__}"
+
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+class TokenText:
+    """A token's text and real bytes for log-probabilities. A byte-fallback token (``<0xE4>``: part of a
+    character the vocabulary spells as bytes) has bytes ``[0xE4]`` and text ``bytes:\\xe4`` (OpenAI's
+    spelling), so the bytes of a reply's tokens, concatenated, are its UTF-8 and no two tokens share a text."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self._memo: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, tid: int) -> tuple[str, bytes]:
+        got = self._memo.get(tid)
+        if got is None:
+            m = _BYTE_TOKEN.match(self.tok.backend.id_to_token(tid) or "")
+            if m:
+                b = bytes([int(m.group(1), 16)])
+                got = (f"bytes:\\x{b[0]:02x}", b)
+            else:
+                text = self.tok.decode([tid])
+                got = (text, text.encode("utf-8"))
+            self._memo[tid] = got
+        return got
+
+    def keyed(self, pairs) -> dict[str, float]:
+        """``{text: logprob}`` for (id, logprob) pairs, never dropping one whose text repeats (it is then
+        keyed ``text [id N]``)."""
+        out: dict[str, float] = {}
+        for tid, lp in pairs:
+            key = self(tid)[0]
+            if key in out:
+                key = f"{key} [id {tid}]"
+            out[key] = lp
+        return out
+
+
+class Formatter:
+    """Builds OpenAI response objects (whole or streamed chunks) for one request.
+
+    ``include_usage``: ``stream_options.include_usage`` (True: usage in a last chunk with no choices
+    and ``usage: null`` in the others; False: no usage at all; None, not given: usage in the chunk
+    with the finish reason, as llama-server does)."""
+
+    def __init__(self, kind: str, rid: str, model: str, tokenizer, logprobs: int | None,
+                 include_usage: bool | None = None):
         self.kind, self.id, self.model, self.tok, self.logprobs = kind, rid, model, tokenizer, logprobs
+        self.text_of = TokenText(tokenizer)
+        self.include_usage = include_usage
         self.created = int(time.time())
         self.offset = 0  # characters of text so far (completions' text_offset)
 
-    def _piece(self, tid: int) -> str:
-        return self.tok.decode([tid])
-
     def _chat_lp(self, lps) -> dict:
         def entry(tid, lp):
-            s = self._piece(tid)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            s, b = self.text_of(tid)
+            return {"token": s, "logprob": lp, "bytes": list(b)}
 
         return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
                             for x in lps]}
 
     def _completion_lp(self, lps, text_offsets) -> dict:
-        return {"tokens": [self._piece(x.token) for x in lps], "token_logprobs": [x.logprob for x in lps],
-                "top_logprobs": [{self._piece(t): v for t, v in x.top} for x in lps], "text_offset": text_offsets}
+        return {"tokens": [self.text_of(x.token)[0] for x in lps], "token_logprobs": [x.logprob for x in lps],
+                "top_logprobs": [self.text_of.keyed(x.top) for x in lps], "text_offset": text_offsets}
 
     def _lp(self, events) -> dict | None:
         if self.logprobs is None:
@@ -231,6 +446,13 @@ class Formatter:
             at += len(e.text)
         return self._completion_lp(lps, offsets)
 
+    def _base(self, obj: str, choices: list, **extra) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+               "system_fingerprint": fingerprint(), "choices": choices, **extra}
+        if self.include_usage and "usage" not in out:
+            out["usage"] = None
+        return out
+
     def chunk(self, delta: dict | str, finish: str | None, logprobs=None, **extra) -> dict:
         if self.kind == "chat":
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -238,16 +460,27 @@ class Formatter:
         else:
             choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice], **extra}
+        return self._base(obj, [choice], **extra)
+
+    def first_chunk(self) -> dict:
+        """Streamed chat's first chunk, as llama-server sends it: the role, no content yet."""
+        return self.chunk({"role": "assistant", "content": None}, None)
 
     def event_chunk(self, ev) -> dict:
         lp = self._lp([ev]) if ev.tokens else None
         self.offset += len(ev.text)
         return self.chunk({"content": ev.text} if self.kind == "chat" else ev.text, None, lp)
 
-    def final_chunk(self, job: Job) -> dict:
-        return self.chunk({} if self.kind == "chat" else "", FINISH.get(job.stats.stop_reason, "stop"),
-                          usage=_usage(job), timings=_timings(job))
+    def final_chunks(self, job: Job) -> list[dict]:
+        """The chunk with the finish reason (and ``timings``), then the usage chunk if asked for."""
+        finish = FINISH.get(job.stats.stop_reason, "stop")
+        delta = {} if self.kind == "chat" else ""
+        if self.include_usage is None:
+            return [self.chunk(delta, finish, usage=_usage(job), timings=_timings(job))]
+        out = [self.chunk(delta, finish, timings=_timings(job))]
+        if self.include_usage:
+            out.append(self._base(out[0]["object"], [], usage=_usage(job)))
+        return out
 
     def whole(self, events, job: Job) -> dict:
         text = "".join(e.text for e in events)
@@ -260,8 +493,51 @@ class Formatter:
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
-                "usage": _usage(job), "timings": _timings(job)}
+        return self._base(obj, [choice], usage=_usage(job), timings=_timings(job))
+
+
+STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit"}
+
+
+class NativeFormatter:
+    """llama-server's ``/completion`` response: ``content``, ``tokens``, ``stop``, ``stop_type``,
+    ``stopping_word``, ``truncated``, ``generation_settings``, ``tokens_cached``, ``timings`` (with
+    ``cache_n``), and ``completion_probabilities`` when ``n_probs`` > 0."""
+
+    def __init__(self, model: str, tokenizer, n_probs: int, return_tokens: bool, settings: dict, prompt: str):
+        self.model, self.n_probs, self.return_tokens = model, n_probs, return_tokens
+        self.text_of = TokenText(tokenizer)
+        self.settings, self.prompt = settings, prompt
+
+    def _probs(self, events) -> list[dict]:
+        def entry(tid, lp):
+            s, b = self.text_of(tid)
+            return {"id": tid, "token": s, "bytes": list(b), "logprob": lp}
+
+        return [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                for e in events if e.logprobs for x in e.logprobs]
+
+    def event_chunk(self, ev, job: Job) -> dict:
+        out = {"index": 0, "content": ev.text, "tokens": list(ev.tokens), "stop": False, "id_slot": job.slot,
+               "tokens_predicted": job.stats.generated_tokens, "tokens_evaluated": job.stats.prompt_tokens}
+        if self.n_probs:
+            out["completion_probabilities"] = self._probs([ev])
+        return out
+
+    def final(self, events, job: Job, content: str | None = None, tokens=None) -> dict:
+        st = job.stats
+        tokens = [t for e in events for t in e.tokens] if tokens is None else tokens
+        out = {"index": 0, "content": "".join(e.text for e in events) if content is None else content,
+               "tokens": tokens if self.return_tokens else [], "id_slot": job.slot, "stop": True,
+               "model": self.model, "tokens_predicted": st.generated_tokens, "tokens_evaluated": st.prompt_tokens,
+               "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": False,
+               "truncated": st.stop_reason == "context", "stop_type": STOP_TYPE.get(st.stop_reason, "none"),
+               "stopping_word": job.stop_word, "tokens_cached": st.prompt_tokens + st.generated_tokens,
+               "timings": _timings(job)}
+        out["has_new_line"] = "\n" in out["content"]
+        if self.n_probs and content is None:
+            out["completion_probabilities"] = self._probs(events)
+        return out
 
 
 def _usage(job: Job) -> dict:
@@ -273,12 +549,12 @@ def _usage(job: Job) -> dict:
 def _timings(job: Job) -> dict:
     """llama-server's ``timings``: prompt = prefill; predicted = decoding after the first token."""
     st = job.stats
-    pn, gn = st.prompt_tokens, st.generated_tokens
+    pn, gn = st.prompt_tokens - job.cache_n, st.generated_tokens  # prompt_n: tokens prefilled (llama-server's)
     return {
         "prompt_n": pn, "prompt_ms": st.prefill_ms,
         "prompt_per_token_ms": st.prefill_ms / pn if pn else 0.0, "prompt_per_second": st.prefill_tps,
         "predicted_n": gn, "predicted_ms": st.decode_ms,
         "predicted_per_token_ms": st.decode_ms / (gn - 1) if gn > 1 else 0.0, "predicted_per_second": st.decode_tps,
-        "draft_n": st.spec.drafted, "draft_n_accepted": st.spec.accepted,
+        "cache_n": job.cache_n, "draft_n": st.spec.drafted, "draft_n_accepted": st.spec.accepted,
         "ttft_ms": job.ttft_ms,
     }

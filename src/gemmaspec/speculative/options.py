@@ -18,9 +18,14 @@ MAX_DRAFT_TOKENS = 15
 """Largest draft length per round (``--spec-draft-n-max``): a verify forward then runs at most 16
 rows, the batch-invariant C kernel's limit (``kernels.SMALL_M``)."""
 
+ACCEPTED_DRAFT_TOKENS = 256
+"""Largest ``--spec-draft-n-max`` / ``speculative.n_max`` accepted (llama-server's values, 16 its
+default, work unchanged); values above ``MAX_DRAFT_TOKENS`` draft ``MAX_DRAFT_TOKENS``."""
+
 
 def parse_n_max(value, what: str = "--spec-draft-n-max"):
-    """``--spec-draft-n-max`` / ``speculative.n_max`` → int in 0..MAX_DRAFT_TOKENS or ``"auto"``.
+    """``--spec-draft-n-max`` / ``speculative.n_max`` → int in 0..MAX_DRAFT_TOKENS or ``"auto"``;
+    values up to ``ACCEPTED_DRAFT_TOKENS`` (llama-server's range) are taken as ``MAX_DRAFT_TOKENS``.
 
     Args:
         value: a string from the command line ("3", "auto") or a JSON value (int or "auto").
@@ -32,11 +37,12 @@ def parse_n_max(value, what: str = "--spec-draft-n-max"):
     if value == "auto":
         return "auto"
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InputError(f"{what} must be a number in 0..{MAX_DRAFT_TOKENS} or 'auto' (got {value!r})")
+        raise InputError(f"{what} must be a number in 0..{ACCEPTED_DRAFT_TOKENS} or 'auto' (got {value!r})")
     try:
         n = int(value)
     except ValueError:
-        raise InputError(f"{what} must be a number in 0..{MAX_DRAFT_TOKENS} or 'auto' (got {value!r})") from None
-    if not 0 <= n <= MAX_DRAFT_TOKENS:
-        raise InputError(f"{what} must be in 0..{MAX_DRAFT_TOKENS} or 'auto' (got {n})")
-    return n
+        raise InputError(f"{what} must be a number in 0..{ACCEPTED_DRAFT_TOKENS} or 'auto' (got {value!r})") from None
+    if not 0 <= n <= ACCEPTED_DRAFT_TOKENS:
+        raise InputError(f"{what} must be in 0..{ACCEPTED_DRAFT_TOKENS} or 'auto' (got {n}); "
+                         f"at most {MAX_DRAFT_TOKENS} tokens are drafted per round")
+    return min(n, MAX_DRAFT_TOKENS)

@@ -8,6 +8,13 @@ Speculative Decoding", Alg. 1; Chen et al. 2023): accept draft x with probabilit
 on rejection draw from norm(max(p − q, 0)); after n accepted drafts draw a bonus from p. A drafter
 without probabilities counts as q = one-hot on its token. The output is distributed exactly as p.
 Distributions are ``(ids int64 [n], probs float64 [n])`` pairs over the tokens they can produce.
+
+Sampling with a deterministic drafter (one-hot proposals: n-gram, greedy draft models, the MTP
+assistant) and a known position: the target's token at each position is drawn from p with that
+position's own random stream and a draft is accepted iff it equals the draw
+(:func:`verify_by_position`). Each kept token is then exactly the token plain sampling draws at that
+position (same stream, same p), so seeded output is identical with and without speculation; this is
+as lossless as rejection sampling (each token is a sample from p given the tokens before it).
 """
 
 from __future__ import annotations
@@ -92,7 +99,24 @@ def verify_sampling(target_dists, drafts, draft_dists, uniform, draw) -> Verdict
     return Verdict(len(drafts), draw(*target_dists(len(drafts))), "bonus")
 
 
-def verify_round(logits: torch.Tensor, history: list[int], drafts: list[int], dists, params, sampler) -> Verdict:
+def verify_by_position(target_dists, drafts, draw_at, pos: int) -> Verdict:
+    """Verification by per-position draws.
+
+    Args:
+        target_dists: callable i -> p at position i (i = 0..len(drafts)); called lazily, in order.
+        drafts: draft tokens.
+        draw_at: callable (absolute position, ids, probs) -> token, with that position's own stream.
+        pos: absolute position of the first token this round produces.
+    """
+    for i, x in enumerate(drafts):
+        t = draw_at(pos + i, *target_dists(i))
+        if t != int(x):
+            return Verdict(i, t, "recovered")
+    return Verdict(len(drafts), draw_at(pos + len(drafts), *target_dists(len(drafts))), "bonus")
+
+
+def verify_round(logits: torch.Tensor, history: list[int], drafts: list[int], dists, params, sampler,
+                 pos: int | None = None) -> Verdict:
     """Decide one speculative round from the target's logits.
 
     Args:
@@ -102,11 +126,13 @@ def verify_round(logits: torch.Tensor, history: list[int], drafts: list[int], di
         drafts: the draft tokens.
         dists: the drafter's distributions per draft position, or None (one-hot drafts).
         params: :class:`~gemmaspec.sampling.SamplingParams`; greedy (temperature 0) compares argmaxes
-            (after the repetition penalty when one is set), otherwise rejection sampling over the
+            (after the logit bias and penalties when set), otherwise rejection sampling over the
             filtered distributions (:func:`~gemmaspec.sampling.filtered_probs`).
         sampler: the request's :class:`~gemmaspec.sampling.Sampler` (its seeded uniform and draw).
+        pos: absolute position of the first token the round produces; with one-hot drafts
+            (``dists`` None) sampling then verifies by per-position draws (:func:`verify_by_position`).
     """
-    if params.greedy and params.repeat_penalty == 1.0:
+    if params.greedy and params.raw_logits:
         return verify_greedy(logits.argmax(-1).tolist(), drafts)
     if params.greedy:
         targets = [int(filtered_probs(logits[i], params, history + drafts[:i])[0][0]) for i in range(len(drafts) + 1)]
@@ -118,4 +144,6 @@ def verify_round(logits: torch.Tensor, history: list[int], drafts: list[int], di
             memo[i] = filtered_probs(logits[i], params, history + drafts[:i])
         return memo[i]
 
+    if dists is None and pos is not None:
+        return verify_by_position(target, drafts, sampler.draw_at, pos)
     return verify_sampling(target, drafts, dists, sampler.uniform, sampler.draw)
