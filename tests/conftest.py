@@ -112,3 +112,14 @@ def server(tmp_path_factory):
     s = ServerProcess(tmp_path_factory.mktemp("serve"), "-np", "4", "-c", "2048")
     yield s
     s.close()
+
+
+@pytest.fixture(scope="module")
+def lib():
+    """The compiled C kernel library; tests that need it skip where it cannot be built."""
+    from gemmaspec import kernels
+
+    lib = kernels.load_library()
+    if lib is None:
+        pytest.skip("no C compiler: kernels fall back to torch")
+    return lib

@@ -20,14 +20,6 @@ def _weight(n, k, group, offset, seed=0):
     return QuantizedWeight(q, s, o, group)
 
 
-@pytest.fixture(scope="module")
-def lib():
-    lib = kernels.load_library()
-    if lib is None:
-        pytest.skip("no C compiler: kernels fall back to torch")
-    return lib
-
-
 @pytest.mark.parametrize("group,offset", [(32, False), (16, False), (32, True), (16, True)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
 def test_matches_dense(lib, group, offset, m):

@@ -15,14 +15,6 @@ from gemmaspec.kernels import QuantizedWeight
 from gemmaspec.models.base import apply_rope, norm_rope, rms_norm, rope_cos_sin
 
 
-@pytest.fixture(scope="module")
-def lib():
-    lib = kernels.load_library()
-    if lib is None:
-        pytest.skip("no C compiler: kernels fall back to torch")
-    return lib
-
-
 def _weight(n, k, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
