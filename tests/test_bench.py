@@ -341,6 +341,8 @@ class _InterruptingTarget:
         self.calls += 1
         if self.calls == self.at:
             _thread.interrupt_main()
+            if stop is not None:  # as a real request would, keep going until the main thread has seen it
+                stop.wait(10)
         return {"tokens": [1] * max_tokens, "text": "a" * max_tokens, "completion_tokens": max_tokens,
                 "prompt_tokens": 3, "ttft_s": 0.01, "decode_s": 0.01, "arrivals": [[0.01, max_tokens]], "spec": None}
 

@@ -143,7 +143,6 @@ def test_draft_model_with_itself_accepts_everything(model_path):
     (["--spec-type", "ngram-simple", "--spec-draft-n-max", "300"], "0..256"),
     (["--spec-type", "draft-simple"], "needs a draft model"),
     (["--spec-type", "draft-simple", "-md", "/nonexistent.gguf"], "not found"),
-    (["--spec-type", "draft-mtp"], "assistant"),
     (["--spec-type", "ngram-simple", "--spec-ngram-size", "2", "--spec-ngram-min", "3"], "n-gram sizes"),
 ])
 def test_speculative_bad_flags(model_path, flags, needle):
@@ -234,3 +233,14 @@ def test_serve_missing_model_fails_before_listening(tmp_path):
     res = run_cli("serve", "--port", "0", "-m", str(tmp_path / "missing.gguf"), timeout=60)
     _assert_one_line_error(res, "not found", "missing.gguf")
     assert "listening" not in res.stderr
+
+
+def test_draft_mtp_without_md_uses_the_shipped_assistant(model_path):
+    """The default model has an assistant shipped with gemmaspec: ``--spec-type draft-mtp`` finds it
+    (and says so); output equals plain greedy output."""
+    common = ("generate", "-m", str(model_path), "-p", "def add(a, b):", "-n", "12", "--temp", "0")
+    res = run_cli(*common, "--spec-type", "draft-mtp")
+    assert res.returncode == 0, res.stderr
+    assert "the assistant shipped for this model" in res.stderr
+    assert res.stdout == run_cli(*common, "--spec-type", "none").stdout
+
