@@ -354,10 +354,18 @@ class _InterruptingTarget:
 
 
 def test_interrupted_run_keeps_valid_partial_results(tmp_path, small_suite):
+    import signal
+
     prompts = load_suite(small_suite)
     target = _InterruptingTarget(at=4)
-    res = sweep(tmp_path, prompts, [1], [Config("x", 0), Config("x", 2)], [target], 1, 5, 0.0, 0, {},
-                progress=False)
+    # interrupt_main() does nothing while SIGINT is ignored or at its default, which an earlier test in
+    # the same process (a server's signal handling) may have left: Python's own handler for this test
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        res = sweep(tmp_path, prompts, [1], [Config("x", 0), Config("x", 2)], [target], 1, 5, 0.0, 0, {},
+                    progress=False)
+    finally:
+        signal.signal(signal.SIGINT, before)
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert res["interrupted"] and on_disk["interrupted"] and not on_disk["complete"]
     # phases: (a, none) 2 requests, (a, n=2) 2 requests: the 4th request's phase is dropped
