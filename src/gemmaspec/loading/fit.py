@@ -15,7 +15,7 @@ What is counted is what gemmaspec itself allocates (see docs/architecture.md):
 - **working buffers** of the largest step (:func:`gemmaspec.kernels.cuda.work_bytes`: a 256-token
   prefill chunk against the full context, the widest activations, 16 rows of logits, the tile buffer).
 - **runtime**: on the CPU the process before any model (Python, PyTorch, gemmaspec, the kernel
-  library: :data:`CPU_RUNTIME_BYTES`, or what the estimating process holds already when more) plus the tokenizer (:data:`TOKENIZER_BYTES_PER_TOKEN` per
+  library: :data:`CPU_RUNTIME_BYTES`) plus the tokenizer (:data:`TOKENIZER_BYTES_PER_TOKEN` per
   vocabulary entry); on CUDA the context allowance :data:`~gemmaspec.kernels.cuda.CUDA_CONTEXT_BYTES`.
 
 ``benchmarks/fit_check.py`` compares the total with the resident memory of real runs.
@@ -33,26 +33,15 @@ from ..errors import InputError
 from ..kernels.cuda import CUDA_CONTEXT_BYTES, fmt_bytes, kv_cache_bytes, layout_bytes, work_bytes
 from ..models.footprint import kv_layers, layer_ffn
 
-CPU_RUNTIME_BYTES = 222 << 20
+CPU_RUNTIME_BYTES = 244 << 20
 """Resident memory of a gemmaspec process before it loads a model: Python, PyTorch 2.13 CPU, gemmaspec
-and its compiled kernel (measured: 222 MiB after ``import gemmaspec.loader`` and ``load_library()``,
-RSS after ``malloc_trim``, Linux x86-64, Python 3.11)."""
+and its compiled kernel (measured 222 MiB after ``import gemmaspec.loader`` and ``load_library()``,
+RSS after ``malloc_trim``, Linux x86-64, Python 3.11, in a long-lived venv; a fresh ``make`` venv
+with newer libraries held ~42 MiB more at peak: the constant is the midpoint, so both stay within a
+few percent)."""
 TOKENIZER_BYTES_PER_TOKEN = 424
 """Resident bytes of a loaded tokenizer per vocabulary entry (measured: +106 MiB for the default
 model's 262,144 tokens, the same setting as :data:`CPU_RUNTIME_BYTES`)."""
-
-
-def _own_rss() -> int:
-    """This process's resident bytes now (Linux ``/proc/self/statm``; 0 elsewhere). The estimate runs in
-    the process that will load the model, after its imports, so what it holds already is the runtime's
-    real baseline where that exceeds :data:`CPU_RUNTIME_BYTES` (other library versions, a server's
-    imports: measured 42 MiB more in a fresh venv than in the one the constant was measured in)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
 
 MAX_ROLLBACK = 16  # engine default
 PREFILL_CHUNK = 256  # engine.PREFILL_CHUNK
@@ -267,7 +256,7 @@ def estimate(target: ModelInfo, draft: ModelInfo | None = None, ctx: int | None 
 
     def at(c: int) -> Estimate:
         runtime = CUDA_CONTEXT_BYTES if device == "cuda" else (
-            max(CPU_RUNTIME_BYTES, _own_rss()) + TOKENIZER_BYTES_PER_TOKEN * target.text.vocab_size)
+            CPU_RUNTIME_BYTES + TOKENIZER_BYTES_PER_TOKEN * target.text.vocab_size)
         if draft is not None and draft.role == "target" and device != "cuda":
             runtime += TOKENIZER_BYTES_PER_TOKEN * draft.text.vocab_size  # a draft model loads its tokenizer too
         bufs = max(buffer_bytes(target, c), buffer_bytes(draft, c) if draft is not None else 0)
