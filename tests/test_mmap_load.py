@@ -181,7 +181,8 @@ def test_only_the_tokenizer_is_cached(tmp_path, home, capfd):
     path = _tiny_gguf(tmp_path / "tiny.gguf")
     first = load_gguf(path)
     err = capfd.readouterr().err
-    assert err.count("building the tokenizer") == 1 and len(err.strip().splitlines()) == 1, err
+    lines = [x for x in err.strip().splitlines() if "no fast tokenizer" not in x]  # a tiny vocabulary has none
+    assert err.count("building the tokenizer") == 1 and len(lines) == 1, err
     tree = _tree(home)
     entries = list((home / "tokenizers").iterdir())
     assert len(entries) == 1 and {p.name for p in entries[0].iterdir()} >= {"tokenizer.json", "tokenizer_meta.json"}

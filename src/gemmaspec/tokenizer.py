@@ -43,18 +43,30 @@ class GemmaTokenizer:
         stop_ids: ids that end generation (EOS and ``<end_of_turn>`` when the vocabulary has it).
     """
 
-    def __init__(self, backend, bos_id: int, eos_id: int, add_bos: bool, chat_template: str | None):
-        self.backend = backend
+    def __init__(self, backend, bos_id: int, eos_id: int, add_bos: bool, chat_template: str | None,
+                 fast=None, backend_loader=None):
+        """``backend``: a ``tokenizers.Tokenizer`` (or None with ``backend_loader``, a callable that
+        loads it when something needs it); ``fast``: an optional
+        :class:`gemmaspec.spm_tokenizer.SpmText` that encodes and decodes with the same results."""
+        self._backend, self._backend_loader, self.fast = backend, backend_loader, fast
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.chat_template_from_file = chat_template
         self.chat_template = chat_template or GEMMA_CHAT_TEMPLATE
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = fast.size if fast is not None else backend.get_vocab_size(with_added_tokens=True)
         stops = {eos_id}
         for name in ("<end_of_turn>", "<turn|>"):
-            tid = backend.token_to_id(name)
+            tid = self.token_to_id(name)
             if tid is not None:
                 stops.add(tid)
         self.stop_ids = frozenset(stops)
+
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` (loaded on first use when the fast path serves the rest: ~1-2 s)."""
+        if self._backend is None:
+            self._backend = self._backend_loader()
+            self._backend.post_processor = None
+        return self._backend
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -121,38 +133,99 @@ class GemmaTokenizer:
                    bool(tc.get("add_bos_token", True)), template)
 
     def save(self, directory: Path) -> None:
-        """Write ``tokenizer.json`` (compact: it loads ~1.5x faster than indented) and
-        ``tokenizer_meta.json`` into ``directory``."""
+        """Write ``tokenizer.json`` (compact: it loads ~1.5x faster than indented),
+        ``tokenizer_meta.json`` and, when :meth:`add_fast_path` built one, ``tokenizer.model``."""
         self.backend.save(str(Path(directory) / "tokenizer.json"), pretty=False)
         meta = {"bos_id": self.bos_id, "eos_id": self.eos_id, "add_bos": self.add_bos,
-                "chat_template": self.chat_template_from_file}
+                "chat_template": self.chat_template_from_file, "spm_controls": None}
+        spm = getattr(self, "_spm", None)
+        if spm is not None:
+            (Path(directory) / "tokenizer.model").write_bytes(spm[0])
+            meta["spm_controls"] = spm[1]
         (Path(directory) / "tokenizer_meta.json").write_text(json.dumps(meta))
 
     @classmethod
     def load(cls, directory: Path) -> "GemmaTokenizer":
-        """Read what :meth:`save` wrote. Raises OSError, ValueError or ``tokenizers``' Exception when
-        the files are missing or damaged."""
+        """Read what :meth:`save` wrote: the SentencePiece fast path (``tokenizer.model``) when the
+        entry has one, ``tokenizer.json`` then loaded only when needed. Raises OSError, ValueError,
+        RuntimeError or ``tokenizers``' Exception when the files are missing or damaged."""
         from tokenizers import Tokenizer
 
-        meta = json.loads((Path(directory) / "tokenizer_meta.json").read_text())
-        backend = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
-        return cls(backend, meta["bos_id"], meta["eos_id"], meta["add_bos"], meta["chat_template"])
+        directory = Path(directory)
+        meta = json.loads((directory / "tokenizer_meta.json").read_text())
+        tj = directory / "tokenizer.json"
+        if not tj.is_file():
+            raise FileNotFoundError(tj)
+        fast = None
+        if meta.get("spm_controls") is not None:
+            from .spm_tokenizer import SpmText
+
+            fast = SpmText(directory / "tokenizer.model", meta["spm_controls"])
+            backend = None
+        else:
+            backend = Tokenizer.from_file(str(tj))
+        return cls(backend, meta["bos_id"], meta["eos_id"], meta["add_bos"], meta["chat_template"], fast=fast,
+                   backend_loader=lambda: Tokenizer.from_file(str(tj)))
+
+    def add_fast_path(self) -> str | None:
+        """Build the SentencePiece fast path from the ``tokenizers`` backend and check it on sample
+        text; keep it when they agree. Returns None, or why there is no fast path."""
+        from .spm_tokenizer import NotReproducible, SpmText, build_model, self_check
+        import tempfile
+
+        try:
+            blob, controls = build_model(self.backend)
+        except (NotReproducible, ImportError) as exc:
+            return str(exc)
+        with tempfile.TemporaryDirectory() as d:
+            f = Path(d) / "tokenizer.model"
+            f.write_bytes(blob)
+            try:
+                fast = SpmText(f, controls)
+                why = self_check(self.backend, fast)
+            except Exception as exc:  # SentencePiece refuses the model (RuntimeError) or fails on a text
+                return f"SentencePiece: {exc}"
+        if why is not None:
+            return why
+        self._spm = (blob, controls)
+        self.fast = fast
+        return None
 
     # -- use -------------------------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; special-token strings in it (``<start_of_turn>``) become their ids.
         BOS is prepended when ``add_bos`` (default: the file's setting) says so and the text does not
         already begin with it (never two)."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.fast is not None:
+            ids = self.fast.encode(text)
+        else:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and ids[:1] != [self.bos_id]:
             ids = [self.bos_id] + ids
         return ids
 
     def decode(self, ids) -> str:
+        """Text of ``ids`` (control tokens written as their text)."""
+        if self.fast is not None:
+            return self.fast.decode(ids)
         return self.backend.decode(list(ids), skip_special_tokens=False)
 
     def token_to_id(self, token: str) -> int | None:
+        if self.fast is not None:
+            return self.fast.piece_to_id(token)
         return self.backend.token_to_id(token)
+
+    def id_to_token(self, tid: int) -> str | None:
+        """The vocabulary's spelling of token ``tid`` ('▁' for a space, ``<0xE4>`` for a byte), or None."""
+        if self.fast is not None:
+            return self.fast.id_to_piece(tid)
+        return self.backend.id_to_token(tid)
+
+    def get_vocab(self) -> dict[str, int]:
+        """{token spelling: id} over the whole vocabulary, added tokens included."""
+        if self.fast is not None:
+            return self.fast.vocab()
+        return self.backend.get_vocab()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render chat ``messages`` ([{"role": "user"|"system"|"assistant", "content": str}]) as text.
@@ -175,7 +248,7 @@ class GemmaTokenizer:
         try:
             return env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.backend.id_to_token(self.bos_id), eos_token=self.backend.id_to_token(self.eos_id))
+                bos_token=self.id_to_token(self.bos_id), eos_token=self.id_to_token(self.eos_id))
         except jinja2.TemplateError as exc:
             raise InputError(f"chat template failed: {exc}") from None
 
@@ -183,13 +256,16 @@ class GemmaTokenizer:
         """Token ids of ``text`` with every character taken as text: a control-token spelling in it
         (``<start_of_turn>``, ``<bos>``) is tokenized as the characters it is made of, never as the
         control token."""
-        backend = self.backend
-        old = backend.encode_special_tokens
-        backend.encode_special_tokens = True
-        try:
-            ids = backend.encode(text, add_special_tokens=False).ids if text else []
-        finally:
-            backend.encode_special_tokens = old
+        if self.fast is not None:
+            ids = self.fast.encode_plain(text)
+        else:
+            backend = self.backend
+            old = backend.encode_special_tokens
+            backend.encode_special_tokens = True
+            try:
+                ids = backend.encode(text, add_special_tokens=False).ids if text else []
+            finally:
+                backend.encode_special_tokens = old
         if (self.add_bos if add_bos is None else add_bos) and ids[:1] != [self.bos_id]:
             ids = [self.bos_id] + ids
         return ids
@@ -198,7 +274,10 @@ class GemmaTokenizer:
     def special_ids(self) -> frozenset[int]:
         """Ids of the control tokens (added tokens marked special: ``<bos>``, ``<start_of_turn>``...)."""
         if getattr(self, "_special_ids", None) is None:
-            self._special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+            if self.fast is not None:
+                self._special_ids = self.fast.control_ids
+            else:
+                self._special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
         return self._special_ids
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -213,9 +292,9 @@ class GemmaTokenizer:
                 message content in a way that hides where it lies while the content spells a control token.
         """
         text = self.apply_chat_template(messages)
-        bos = self.backend.id_to_token(self.bos_id)
+        bos = self.id_to_token(self.bos_id)
         specials = self.special_ids
-        if not any(specials.intersection(self.backend.encode(m["content"], add_special_tokens=False).ids)
+        if not any(specials.intersection(self.encode(m["content"], add_bos=False))
                    for m in messages if m["content"]):
             return self.encode(text, add_bos=not text.startswith(bos))
         return self._encode_chat_guarded(messages, text)
@@ -257,17 +336,17 @@ class GemmaTokenizer:
             if is_content or not piece:
                 run.append(piece)
                 continue
-            found = [t for t in self.backend.encode(piece, add_special_tokens=False).ids if t in self.special_ids]
+            found = [t for t in self.encode(piece, add_bos=False) if t in self.special_ids]
             if not found:
                 run.append(piece)
                 continue
-            names = sorted({self.backend.id_to_token(t) for t in found}, key=len, reverse=True)
+            names = sorted({self.id_to_token(t) for t in found}, key=len, reverse=True)
             parts = re.split("(" + "|".join(map(re.escape, names)) + ")", piece)
             for j, part in enumerate(parts):
                 if j % 2:  # a control token of the template
                     ids += self.encode_text("".join(run))
                     run = []
-                    ids.append(self.backend.token_to_id(part))
+                    ids.append(self.token_to_id(part))
                 else:
                     run.append(part)
         ids += self.encode_text("".join(run))

@@ -1,9 +1,13 @@
 """The tokenizer cache: the one thing gemmaspec writes when it loads a GGUF.
 
 Building a Gemma tokenizer from a GGUF's vocabulary goes through transformers' converter (several
-seconds, plus ~1.5 s to import transformers); loading the result from a ``tokenizer.json`` takes
-about 1 s. So the first load of a vocabulary builds it and saves it in
-``<cache>/tokenizers/<key>/`` (``tokenizer.json``, ``tokenizer_meta.json``); later loads read that.
+seconds, plus ~1.5 s to import transformers), and loading the result from a ``tokenizer.json`` takes
+~1.8 s (``tokenizers`` parses 514,906 merges). So the first load of a vocabulary builds it, derives
+the same BPE as a SentencePiece model (:mod:`gemmaspec.spm_tokenizer`; checked against the
+``tokenizers`` one on sample text before it is kept) and saves both in ``<cache>/tokenizers/<key>/``
+(``tokenizer.json``, ``tokenizer.model``, ``tokenizer_meta.json``). Later loads read only the
+SentencePiece model (~0.1 s); ``tokenizer.json`` is loaded only if something asks for the
+``tokenizers`` object.
 
 The key is a hash of the metadata the tokenizer is built from (the raw bytes of every
 ``tokenizer.*`` entry and of ``general.architecture``, which picks the converter), not of the file's
@@ -30,7 +34,7 @@ from ..paths import cache_home
 from ..tokenizer import GemmaTokenizer
 from .gguf_header import GGUFHeader
 
-CACHE_VERSION = 1  # bump when what is saved, or how it is built, changes
+CACHE_VERSION = 3  # bump when what is saved, or how it is built, changes
 
 
 def tokenizer_key(header: GGUFHeader) -> str:
@@ -107,6 +111,10 @@ def gguf_tokenizer(header: GGUFHeader, use_cache: bool = True) -> GemmaTokenizer
         print(f"gemmaspec: building the tokenizer of {header.path.name} (first use of this vocabulary, a few "
               f"seconds); later starts reuse it from {entry.parent}", file=sys.stderr)
     tok = GemmaTokenizer.from_gguf(header.path, header.get("tokenizer.chat_template"))
+    why = tok.add_fast_path()
+    if why is not None:
+        print(f"gemmaspec: this vocabulary has no fast tokenizer ({why}); each start loads it with "
+              "tokenizers (~2 s)", file=sys.stderr)
     if entry is not None:
         _save(entry, tok, header)
     return tok

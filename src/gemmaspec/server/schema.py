@@ -384,7 +384,7 @@ class TokenText:
     def __call__(self, tid: int) -> tuple[str, bytes]:
         got = self._memo.get(tid)
         if got is None:
-            m = _BYTE_TOKEN.match(self.tok.backend.id_to_token(tid) or "")
+            m = _BYTE_TOKEN.match(self.tok.id_to_token(tid) or "")
             if m:
                 b = bytes([int(m.group(1), 16)])
                 got = (f"bytes:\\x{b[0]:02x}", b)

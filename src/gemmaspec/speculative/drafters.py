@@ -185,7 +185,7 @@ def check_same_vocabulary(target_tok, draft_tok) -> None:
     """
     from ..errors import InputError
 
-    a, b = target_tok.backend.get_vocab(), draft_tok.backend.get_vocab()
+    a, b = target_tok.get_vocab(), draft_tok.get_vocab()
     if len(a) != len(b):
         raise InputError(f"the draft model's vocabulary has {len(b)} tokens, the target's {len(a)}: "
                          "they cannot be paired; use a draft model from the same family")
