@@ -79,8 +79,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_draft_type_without_its_file_is_one_line_error(tmp_path, capsys):
-    err = _one_line_error(capsys, ["bench", "--spec-type", "draft-mtp", "--kinds", "qa", "--out", str(tmp_path)])
-    assert "--spec-type draft-mtp needs an MTP assistant as -md" in err
+    err = _one_line_error(capsys, ["bench", "--spec-type", "draft-simple", "--kinds", "qa", "--out", str(tmp_path)])
+    assert "--spec-type draft-simple needs a draft model as -md" in err
 
 
 # -- figures from known data -------------------------------------------------------------------------
@@ -385,15 +385,16 @@ def test_in_process_tiny_run_writes_everything(tmp_path, capsys, monkeypatch):
     suite = _write(tmp_path, [{"kind": "rewrite", "prompt": "Repeat: one two three four. Repeated: one two"},
                               {"kind": "rewrite", "prompt": "List: red, green, blue. Again: red,"}])
     out = tmp_path / "out"
-    rc = main(["bench", "--suite", str(suite), "--spec-type", "ngram-simple", "--spec-draft-n-max", "2",
+    # draft-mtp without -md: the assistant gemmaspec ships for the default model
+    rc = main(["bench", "--suite", str(suite), "--spec-type", "ngram-simple,draft-mtp", "--spec-draft-n-max", "2",
                "--users", "1,2", "--repeats", "1", "--max-tokens", "8", "--out", str(out), "--no-progress", "-t", "1"])
     assert rc == 0, capsys.readouterr().err
     target = kept[0]
     try:
         res = json.loads((out / "results.json").read_text())
         assert res["complete"] and res["targets"][0]["model_sha256"] and res["settings"]["configs"] == [
-            "none", "ngram-simple n=2"]
-        assert len(res["phases"]) == 4 and all(len(p["requests"]) == 2 for p in res["phases"])
+            "none", "ngram-simple n=2", "draft-mtp n=2"]
+        assert len(res["phases"]) == 6 and all(len(p["requests"]) == 2 for p in res["phases"])
         for ph in res["phases"]:
             assert ph["memory"]["peak_rss_mib"] > 0
             for r in ph["requests"]:

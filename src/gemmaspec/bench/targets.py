@@ -102,6 +102,13 @@ class InProcessTarget:
         self.drafts = {}
         for st in spec_types or list(by_type):
             if st in ("draft-simple", "draft-mtp"):
+                if st == "draft-mtp" and st not in by_type:  # the assistant gemmaspec ships for this target
+                    from ..loading.shipped import shipped_assistant
+
+                    shipped = shipped_assistant(self.model_path)
+                    if shipped:
+                        by_type[st] = (drafter_factory(st, self.engine, shipped)[1], Path(shipped))
+                        self.draft_paths.append(Path(shipped))
                 if st not in by_type:
                     what = "an MTP assistant" if st == "draft-mtp" else "a draft model"
                     have = f" (-md gave {', '.join(by_type)})" if by_type else ""
