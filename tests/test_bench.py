@@ -434,3 +434,21 @@ def test_url_mode_against_gemmaspec_serve(tmp_path, capsys, server):
             assert r["completion_tokens"] == 6 and r["spec"]["source"] == "timings"
             assert (r["spec"]["draft_n"] > 0) == (ph["n_max"] != 0)
     assert res["lossless"] == []
+
+
+def test_a_peer_runs_only_the_drafters_it_has():
+    """llama.cpp's peer has only prompt lookup: its draft-mtp phases are left out, not run as n-gram."""
+    from gemmaspec.bench.run import Config, plan
+    from gemmaspec.bench.suite import Prompt
+    from gemmaspec.bench.targets import LlamaCppTarget
+
+    class Ours:
+        name = "gemmaspec"
+
+    peer = LlamaCppTarget.__new__(LlamaCppTarget)
+    prompts = [Prompt(kind="qa", prompt="Q?", messages=None, max_tokens=None, index=0, line=1)]
+    cfgs = [Config("ngram-simple", 0), Config("ngram-simple", 3), Config("draft-mtp", 3)]
+    got = [(t.name, c.label, u) for _, _, u, c, t in plan(prompts, [1, 2], cfgs, [Ours(), peer], 1)]
+    assert ("llama.cpp", "ngram-simple n=3", 1) in got and ("llama.cpp", "none", 1) in got
+    assert not any(n == "llama.cpp" and (c.startswith("draft-mtp") or u > 1) for n, c, u in got)
+    assert sum(n == "gemmaspec" for n, _, _ in got) == 6

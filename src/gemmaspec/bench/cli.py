@@ -123,6 +123,8 @@ def run(args) -> int:
             results = load_results(out)
         except (OSError, ValueError) as exc:
             raise InputError(f"cannot read {out / 'results.json'}: {exc}") from None
+        if results.get("lossless") is None and (results.get("settings") or {}).get("temp") == 0:
+            results["lossless"] = lossless(results, None)  # a stopped run's outputs (no margins: no model here)
         results["summary"] = summarize(results)
         write_json(out / "results.json", results)
         write_report(out, results, results["summary"])

@@ -90,6 +90,9 @@ def plan(prompts: list[Prompt], users: list[int], configs: list[Config], targets
                     for t in targets:
                         if u > 1 and getattr(t, "single_user", False):
                             continue
+                        can = getattr(t, "can_speculate", None)  # a peer that has only some drafters
+                        if cfg.n_max != 0 and can is not None and cfg.spec_type not in can:
+                            continue
                         out.append((rep, kind, u, cfg, t))
     return out
 

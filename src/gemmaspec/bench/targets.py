@@ -446,6 +446,9 @@ ids as gemmaspec's tokenizer and chat template make them when ``encode`` is give
 
     name = "llama.cpp"
     single_user = True
+    # llama-cpp-python's only drafter is prompt lookup: the n-gram configurations run; draft-model and
+    # MTP configurations have no counterpart there and are left out (not run under another name)
+    can_speculate = ("ngram-simple",)
 
     def __init__(self, model, threads: int, ctx: int, python: str | None = None, encode=None):
         from ..paths import cache_home
