@@ -152,3 +152,56 @@ def test_q4_0_export_of_off_grid_weights_is_refused(target, chunks, tmp_path):
     model, _ = train(target, chunks, tmp_path / "f", TrainSettings(steps=1, **SETTINGS), progress=False)
     with pytest.raises(InputError, match="not on the Q4_0 grid"):
         export_gguf(model.config, model.gguf_weights(), tmp_path / "f.gguf", "q4_0")
+
+
+def test_self_generation_records_the_teacher_signals_and_resumes(target, tmp_path):
+    """Chunks written while generating hold what a separate teacher forward over the same tokens gives;
+    greedy ones are the target's greedy continuation; a second call rewrites nothing."""
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from gemmaspec.training.selfgen import generate_chunks
+    from gemmaspec.training.teacher import teacher_chunk
+
+    tok = _tokenizer()
+    tok.backend.pre_tokenizer = Whitespace()
+    prompts = [{"kind": "t", "text": f"w{5 + i} w{40 + 3 * i} w{90 + i}", "chat": False} for i in range(5)]
+    paths = generate_chunks(target, tok, prompts, tmp_path, length=40, batch=3, sample_frac=0.4, seed=1)
+    assert len(paths) == 5
+    for p in paths:
+        c = Chunk.load(p)
+        ref = teacher_chunk(target, c.tokens.tolist())
+        assert torch.equal(c.top_ids[:, 0], ref.top_ids[:, 0])
+        assert torch.allclose(c.hidden.float(), ref.hidden.float(), atol=2e-2, rtol=1e-2)
+        for kind in ref.kv:
+            assert torch.allclose(c.kv[kind][0].float(), ref.kv[kind][0].float(), atol=2e-2, rtol=1e-2)
+            assert torch.allclose(c.kv[kind][1].float(), ref.kv[kind][1].float(), atol=2e-2, rtol=1e-2)
+        assert torch.allclose(c.top_logp.float(), ref.top_logp.float(), atol=2e-2)
+    greedy = [Chunk.load(p) for p in paths]
+    n_greedy = sum(bool(torch.equal(c.tokens[4:], c.top_ids[3:-1, 0].long())) for c in greedy)
+    assert 1 <= n_greedy < 5  # sample_frac 0.4 of 5 with this seed: some sampled, some greedy
+    stamps = [p.stat().st_mtime_ns for p in paths]
+    assert generate_chunks(target, tok, prompts, tmp_path, length=40, batch=3, sample_frac=0.4, seed=1) == paths
+    assert [p.stat().st_mtime_ns for p in paths] == stamps
+    with pytest.raises(ValueError, match="held-out"):
+        generate_chunks(target, tok, prompts, tmp_path / "x", length=40, held=["w5 w40 w90 and more"])
+
+
+def test_generated_prompts_avoid_held_out_and_are_prefix_stable():
+    from gemmaspec.training.selfgen import generated_prompts
+
+    a = generated_prompts(300, seed=3)
+    assert generated_prompts(120, seed=3) == a[:120]
+    assert len({p["kind"] for p in a}) >= 10 and any(p["chat"] for p in a) and not all(p["chat"] for p in a)
+    held = [a[0]["text"] + " extra words", a[1]["text"][5:40]]
+    b = generated_prompts(300, seed=3, held=held)
+    assert all(p["text"] not in (a[0]["text"], a[1]["text"]) for p in b)
+
+
+def test_init_starts_from_another_runs_weights(target, chunks, tmp_path):
+    s = TrainSettings(steps=6, **SETTINGS)
+    first, _ = train(target, chunks, tmp_path / "a", s, progress=False)
+    other = TrainSettings(steps=6, **(SETTINGS | {"width": 48}))  # architecture comes from the checkpoint
+    second, hist = train(target, chunks, tmp_path / "b", other, progress=False, stop_after=0,
+                         init=tmp_path / "a" / "ckpt.pt", log=lambda *a: None)
+    assert hist == []
+    assert all(torch.equal(v, second.state_dict()[k]) for k, v in first.state_dict().items())

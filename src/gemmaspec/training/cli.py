@@ -21,6 +21,15 @@ def add_parsers(sub) -> None:
                         "own documentation and standard library (default); the target's own continuations of "
                         "gemmaspec's prompts are added unless --no-self")
     t.add_argument("--no-self", action="store_true", help="do not add the target's own generated text")
+    t.add_argument("--self-prompts", type=int, default=0,
+                   help="also continue this many generated requests (templates x topics, stdlib and pydoc pieces; "
+                        "half as chat turns) with the target, recording its teacher signals while it generates")
+    t.add_argument("--self-temperature", type=float, default=0.8, help="temperature of the sampled self-generations")
+    t.add_argument("--self-sample-frac", type=float, default=0.33,
+                   help="fraction of --self-prompts continued by sampling (the rest greedy)")
+    t.add_argument("--init", default=None,
+                   help="start a new run from another run's checkpoint (ckpt.pt): its weights, draft vocabulary and "
+                        "architecture; fresh optimiser and schedule")
     t.add_argument("--out", required=True, help="the assistant GGUF to write")
     t.add_argument("--work-dir", default=None, help="checkpoints and history (default: OUT without .gguf + '.run')")
     t.add_argument("--width", type=int, default=256)
@@ -132,12 +141,30 @@ def run_train(args) -> int:
 
     paths = build_chunks(model, seqs, cdir, progress=prog)
     bar.close()
+    if args.self_prompts:
+        import hashlib as _h
+
+        from .selfgen import generate_chunks, generated_prompts, selfgen_dir
+
+        gdir = selfgen_dir(cdir.parent, args.seed, 256, args.self_sample_frac, args.self_temperature)
+        bar = tqdm(desc="self-generation (with teacher signals)", unit="prompt")
+        held = held_out_texts()
+        gen = generate_chunks(model, tok, generated_prompts(args.self_prompts, args.seed, held), gdir,
+                              sample_frac=args.self_sample_frac, temperature=args.self_temperature, seed=args.seed,
+                              batch=8, held=held, progress=prog)
+        bar.close()
+        print(f"self-generated: {len(gen)} chunks in {gdir}", file=sys.stderr)
+        # one list, in an order fixed by the file names, so the held-out tail mixes both sources
+        paths = sorted(paths + gen, key=lambda q: _h.sha256(q.name.encode()).hexdigest())
     settings = TrainSettings(width=args.width, layers=args.layers, heads=args.heads, ffn=args.ffn,
                              draft_vocab=args.draft_vocab, steps=args.steps, draft_steps=args.draft_steps, lr=args.lr,
                              seed=args.seed, qat=args.qat, ckpt_every=args.ckpt_every)
     try:
+        if args.init and not Path(args.init).is_file():
+            raise InputError(f"--init {args.init}: no such checkpoint")
         assistant, history = train(model, paths, work, settings, resume=args.resume,
-                                   max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
+                                   max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+                                   init=Path(args.init) if args.init else None)
     except KeyboardInterrupt:
         return 130
     outtype = args.outtype or ("q4_0" if settings.qat == "q4_0" else "q8_0")

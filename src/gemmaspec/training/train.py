@@ -156,12 +156,15 @@ def save_checkpoint(path: Path, model, opt, settings: TrainSettings, step: int, 
 
 def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSettings, resume: bool = False,
           progress: bool = True, log=print, stop_after: int | None = None,
-          max_seconds: float | None = None) -> tuple:
+          max_seconds: float | None = None, init: Path | None = None) -> tuple:
     """Train (or continue) an assistant for ``target`` on the teacher chunks; checkpoints go to
     ``out_dir/ckpt.pt``. Returns the model and the history (one dict per step).
 
     ``stop_after`` steps or ``max_seconds`` of wall time end this call early with a checkpoint (the
     schedule stays that of ``settings.steps``; ``resume=True`` continues where it stopped).
+
+    ``init``: a checkpoint of another run to start from (a new run only): its weights, draft vocabulary
+    and architecture (width, layers, heads, FFN) are taken, the optimiser and schedule start afresh.
 
     Raises:
         ValueError: no chunks, or a resumed checkpoint for another draft vocabulary.
@@ -178,10 +181,16 @@ def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSetting
         # a resumed run keeps its settings, except a QAT stage and a longer schedule asked for now
         # (fine-tuning a float run on the Q4_0 grid: --resume --qat q4_0 --steps MORE)
         settings = dataclasses.replace(saved, qat=settings.qat or saved.qat, steps=max(saved.steps, settings.steps))
+    start = None
+    if ckpt is None and init is not None:
+        start = torch.load(init, weights_only=False)
+        arch = {f: start["settings"][f] for f in ("width", "layers", "heads", "ffn", "draft_vocab")}
+        settings = dataclasses.replace(settings, **arch)
     n_held = max(1, int(len(chunks) * settings.held_out)) if len(chunks) > 1 else 0
     train_chunks, held = chunks[:len(chunks) - n_held], chunks[len(chunks) - n_held:]
     vocab = target.config.vocab_size
-    token_map = ckpt["token_map"] if ckpt is not None else choose_draft_vocab(train_chunks, settings.draft_vocab, vocab)
+    token_map = ckpt["token_map"] if ckpt is not None else start["token_map"] if start is not None else \
+        choose_draft_vocab(train_chunks, settings.draft_vocab, vocab)
     model = new_trainable_assistant(target.config, token_map, settings.width, settings.layers, settings.heads,
                                     settings.ffn, settings.seed)
     if settings.qat == "q4_0":
@@ -194,6 +203,8 @@ def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSetting
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         step, history = ckpt["step"], ckpt["history"]
+    elif start is not None:
+        model.load_state_dict(start["model"])
     to_draft = torch.full((vocab,), -1, dtype=torch.int64)
     to_draft[token_map] = torch.arange(token_map.numel())
     embed = target.embed_tokens
