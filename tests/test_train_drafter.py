@@ -205,3 +205,15 @@ def test_init_starts_from_another_runs_weights(target, chunks, tmp_path):
                          init=tmp_path / "a" / "ckpt.pt", log=lambda *a: None)
     assert hist == []
     assert all(torch.equal(v, second.state_dict()[k]) for k, v in first.state_dict().items())
+    # a larger draft vocabulary: the shared tokens' head rows and every other weight carry over
+    wider = TrainSettings(steps=6, **(SETTINGS | {"draft_vocab": 130}))
+    third, _ = train(target, chunks, tmp_path / "c", wider, progress=False, stop_after=0,
+                     init=tmp_path / "a" / "ckpt.pt", log=lambda *a: None)
+    assert third.token_map.numel() == 130 and set(first.token_map.tolist()) < set(third.token_map.tolist())
+    head = "params.token_embd__weight"
+    for k, v in first.state_dict().items():
+        if k not in (head, "token_map"):
+            assert torch.equal(v, third.state_dict()[k]), k
+    row = {t: i for i, t in enumerate(third.token_map.tolist())}
+    for i, t in enumerate(first.token_map.tolist()):
+        assert torch.equal(first.state_dict()[head][i], third.state_dict()[head][row[t]])

@@ -146,6 +146,25 @@ def evaluate(model, batches: list[Batch], k: int) -> dict:
     return {"per_step": [round(float(r) / max(1, n), 4) for r in right], "mean_accepted_length": 1 + run_len / max(1, n)}
 
 
+def load_remapped(model, state: dict, old_map: torch.Tensor) -> dict:
+    """Load another run's weights ``state`` (draft vocabulary ``old_map``) into ``model``, whose draft
+    vocabulary may differ: every weight but the head is copied; head rows of tokens both vocabularies
+    have are copied, the rest keep ``model``'s values. Returns ``{"rows_copied": n}``."""
+    head = "params.token_embd__weight"
+    own = model.state_dict()
+    new = {k: v for k, v in state.items() if k not in (head, "token_map")}
+    rows = own[head].clone()
+    pos = torch.full((int(max(old_map.max(), model.token_map.max())) + 1,), -1, dtype=torch.int64)
+    pos[old_map.long()] = torch.arange(old_map.numel())
+    src = pos[model.token_map]
+    hit = src >= 0
+    rows[hit] = state[head][src[hit]]
+    new[head] = rows
+    new["token_map"] = model.token_map
+    model.load_state_dict(new)
+    return {"rows_copied": int(hit.sum())}
+
+
 def save_checkpoint(path: Path, model, opt, settings: TrainSettings, step: int, history: list) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "settings": dataclasses.asdict(settings),
@@ -163,8 +182,10 @@ def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSetting
     ``stop_after`` steps or ``max_seconds`` of wall time end this call early with a checkpoint (the
     schedule stays that of ``settings.steps``; ``resume=True`` continues where it stopped).
 
-    ``init``: a checkpoint of another run to start from (a new run only): its weights, draft vocabulary
-    and architecture (width, layers, heads, FFN) are taken, the optimiser and schedule start afresh.
+    ``init``: a checkpoint of another run to start from (a new run only): its architecture (width,
+    layers, heads, FFN) and weights are taken, the optimiser and schedule start afresh. The draft
+    vocabulary is chosen from this run's data (``settings.draft_vocab`` rows); head rows of tokens the
+    checkpoint's vocabulary also has are copied from it, the others start as in a new run.
 
     Raises:
         ValueError: no chunks, or a resumed checkpoint for another draft vocabulary.
@@ -184,13 +205,12 @@ def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSetting
     start = None
     if ckpt is None and init is not None:
         start = torch.load(init, weights_only=False)
-        arch = {f: start["settings"][f] for f in ("width", "layers", "heads", "ffn", "draft_vocab")}
+        arch = {f: start["settings"][f] for f in ("width", "layers", "heads", "ffn")}
         settings = dataclasses.replace(settings, **arch)
     n_held = max(1, int(len(chunks) * settings.held_out)) if len(chunks) > 1 else 0
     train_chunks, held = chunks[:len(chunks) - n_held], chunks[len(chunks) - n_held:]
     vocab = target.config.vocab_size
-    token_map = ckpt["token_map"] if ckpt is not None else start["token_map"] if start is not None else \
-        choose_draft_vocab(train_chunks, settings.draft_vocab, vocab)
+    token_map = ckpt["token_map"] if ckpt is not None else choose_draft_vocab(train_chunks, settings.draft_vocab, vocab)
     model = new_trainable_assistant(target.config, token_map, settings.width, settings.layers, settings.heads,
                                     settings.ffn, settings.seed)
     if settings.qat == "q4_0":
@@ -204,7 +224,7 @@ def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSetting
         opt.load_state_dict(ckpt["opt"])
         step, history = ckpt["step"], ckpt["history"]
     elif start is not None:
-        model.load_state_dict(start["model"])
+        load_remapped(model, start["model"], start["token_map"])
     to_draft = torch.full((vocab,), -1, dtype=torch.int64)
     to_draft[token_map] = torch.arange(token_map.numel())
     embed = target.embed_tokens
