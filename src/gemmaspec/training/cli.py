@@ -141,6 +141,7 @@ def run_train(args) -> int:
 
     paths = build_chunks(model, seqs, cdir, progress=prog)
     bar.close()
+    held_paths = None
     if args.self_prompts:
         import hashlib as _h
 
@@ -154,8 +155,13 @@ def run_train(args) -> int:
                               batch=8, held=held, progress=prog)
         bar.close()
         print(f"self-generated: {len(gen)} chunks in {gdir}", file=sys.stderr)
-        # one list, in an order fixed by the file names, so the held-out tail mixes both sources
-        paths = sorted(paths + gen, key=lambda q: _h.sha256(q.name.encode()).hexdigest())
+        # held out: the corpus's own held-out tail (as a run without --self-prompts, so a run started with
+        # --init from one never saw it) and the last 5% of the generated chunks; training order: the rest,
+        # in an order fixed by the file names
+        hc, hg = max(1, int(len(paths) * 0.05)), max(1, int(len(gen) * 0.05))
+        held_paths = paths[len(paths) - hc:] + gen[len(gen) - hg:]
+        paths = sorted(paths[:len(paths) - hc] + gen[:len(gen) - hg],
+                       key=lambda q: _h.sha256(q.name.encode()).hexdigest())
     settings = TrainSettings(width=args.width, layers=args.layers, heads=args.heads, ffn=args.ffn,
                              draft_vocab=args.draft_vocab, steps=args.steps, draft_steps=args.draft_steps, lr=args.lr,
                              seed=args.seed, qat=args.qat, ckpt_every=args.ckpt_every)
@@ -164,7 +170,7 @@ def run_train(args) -> int:
             raise InputError(f"--init {args.init}: no such checkpoint")
         assistant, history = train(model, paths, work, settings, resume=args.resume,
                                    max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
-                                   init=Path(args.init) if args.init else None)
+                                   init=Path(args.init) if args.init else None, held_paths=held_paths)
     except KeyboardInterrupt:
         return 130
     outtype = args.outtype or ("q4_0" if settings.qat == "q4_0" else "q8_0")

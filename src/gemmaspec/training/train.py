@@ -175,12 +175,16 @@ def save_checkpoint(path: Path, model, opt, settings: TrainSettings, step: int, 
 
 def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSettings, resume: bool = False,
           progress: bool = True, log=print, stop_after: int | None = None,
-          max_seconds: float | None = None, init: Path | None = None) -> tuple:
+          max_seconds: float | None = None, init: Path | None = None,
+          held_paths: list[Path] | None = None) -> tuple:
     """Train (or continue) an assistant for ``target`` on the teacher chunks; checkpoints go to
     ``out_dir/ckpt.pt``. Returns the model and the history (one dict per step).
 
     ``stop_after`` steps or ``max_seconds`` of wall time end this call early with a checkpoint (the
     schedule stays that of ``settings.steps``; ``resume=True`` continues where it stopped).
+
+    ``held_paths``: the held-out chunks (default: the last ``settings.held_out`` fraction of
+    ``chunk_paths``), kept out of training for the acceptance estimate.
 
     ``init``: a checkpoint of another run to start from (a new run only): its architecture (width,
     layers, heads, FFN) and weights are taken, the optimiser and schedule start afresh. The draft
@@ -207,8 +211,11 @@ def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSetting
         start = torch.load(init, weights_only=False)
         arch = {f: start["settings"][f] for f in ("width", "layers", "heads", "ffn")}
         settings = dataclasses.replace(settings, **arch)
-    n_held = max(1, int(len(chunks) * settings.held_out)) if len(chunks) > 1 else 0
-    train_chunks, held = chunks[:len(chunks) - n_held], chunks[len(chunks) - n_held:]
+    if held_paths is not None:
+        train_chunks, held = chunks, [Chunk.load(p) for p in held_paths]
+    else:
+        n_held = max(1, int(len(chunks) * settings.held_out)) if len(chunks) > 1 else 0
+        train_chunks, held = chunks[:len(chunks) - n_held], chunks[len(chunks) - n_held:]
     vocab = target.config.vocab_size
     token_map = ckpt["token_map"] if ckpt is not None else choose_draft_vocab(train_chunks, settings.draft_vocab, vocab)
     model = new_trainable_assistant(target.config, token_map, settings.width, settings.layers, settings.heads,
@@ -227,6 +234,10 @@ def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSetting
         load_remapped(model, start["model"], start["token_map"])
     to_draft = torch.full((vocab,), -1, dtype=torch.int64)
     to_draft[token_map] = torch.arange(token_map.numel())
+    if held and ckpt is None:
+        greedy = torch.cat([c.top_ids[:, 0].long() for c in held])
+        log(f"draft vocabulary: {token_map.numel()} tokens; they are the target's greedy next token at "
+            f"{float((to_draft[greedy] >= 0).float().mean()):.1%} of held-out positions")
     embed = target.embed_tokens
     window = target.config.sliding_window
     k = settings.draft_steps
