@@ -46,6 +46,7 @@ def add_parsers(sub) -> None:
                    help="matrix type of the export (default: q4_0 with --qat q4_0, else q8_0)")
     t.add_argument("--resume", action="store_true", help="continue the run in --work-dir from its checkpoint")
     t.add_argument("--ckpt-every", type=int, default=100)
+    t.add_argument("--eval-every", type=int, default=100, help="held-out acceptance estimate every this many steps")
     t.add_argument("--max-minutes", type=float, default=None,
                    help="stop after this much training time with a checkpoint and an export of the state so far "
                         "(--resume continues)")
@@ -164,7 +165,8 @@ def run_train(args) -> int:
                        key=lambda q: _h.sha256(q.name.encode()).hexdigest())
     settings = TrainSettings(width=args.width, layers=args.layers, heads=args.heads, ffn=args.ffn,
                              draft_vocab=args.draft_vocab, steps=args.steps, draft_steps=args.draft_steps, lr=args.lr,
-                             seed=args.seed, qat=args.qat, ckpt_every=args.ckpt_every)
+                             seed=args.seed, qat=args.qat, ckpt_every=args.ckpt_every,
+                             eval_every=args.eval_every)
     try:
         if args.init and not Path(args.init).is_file():
             raise InputError(f"--init {args.init}: no such checkpoint")
