@@ -40,6 +40,7 @@ def add_parsers(sub) -> None:
     t.add_argument("--steps", type=int, default=2000, help="optimiser steps (one text chunk each)")
     t.add_argument("--draft-steps", type=int, default=3, help="draft steps unrolled per position (K)")
     t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--warmup", type=int, default=100, help="linear warm-up steps before the cosine decay")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--qat", choices=["q4_0"], default=None, help="train on the Q4_0 grid (exports exact Q4_0)")
     t.add_argument("--outtype", choices=["q4_0", "q8_0", "f16", "f32"], default=None,
@@ -166,7 +167,7 @@ def run_train(args) -> int:
     settings = TrainSettings(width=args.width, layers=args.layers, heads=args.heads, ffn=args.ffn,
                              draft_vocab=args.draft_vocab, steps=args.steps, draft_steps=args.draft_steps, lr=args.lr,
                              seed=args.seed, qat=args.qat, ckpt_every=args.ckpt_every,
-                             eval_every=args.eval_every)
+                             eval_every=args.eval_every, warmup=args.warmup)
     try:
         if args.init and not Path(args.init).is_file():
             raise InputError(f"--init {args.init}: no such checkpoint")
