@@ -46,13 +46,12 @@ def test_shipped_entry_describes_its_file(entry):
 
 
 def test_accepts_on_a_held_out_code_prompt(engine, make):
-    """A regression guard on the shipped assistant's quality (not a speed test): it measured 0.40 here
-    at n-max 3 (greedy, deterministic); the guard is 0.3. The issue's target for a good assistant is
-    0.5, which this first one does not reach (docs/drafter.md)."""
+    """A regression guard on the shipped assistant's quality (not a speed test): it measured 0.52 here
+    at n-max 3 (greedy, deterministic; the first shipped assistant 0.40); the guard is the issue's 0.5."""
     ids = engine.tokenizer.encode("def fibonacci_numbers(limit):\n    \"\"\"Return the Fibonacci numbers below limit.\"\"\"\n")
     _, st = _run(engine, ids, make(engine.cache), 3, n=64)
     assert st.spec.drafted > 0
-    assert st.spec.accepted / st.spec.drafted > 0.3, st.spec.to_dict()
+    assert st.spec.accepted / st.spec.drafted > 0.5, st.spec.to_dict()
 
 
 @pytest.mark.parametrize("kind", list(PROMPTS))
