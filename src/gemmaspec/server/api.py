@@ -31,8 +31,8 @@ from ..streaming import stop_matcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .scheduler import Job, Scheduler
 from .schema import (APIError, ChatRequest, chat_messages, CompletionRequest, Formatter, NativeCompletionRequest,
-                     NativeFormatter, completion_prompt, fingerprint, json_body, refuse_unsupported, sampling_params,
-                     spec_overrides, sse, validate)
+                     NativeFormatter, completion_prompt, fingerprint, grammar_of, json_body, refuse_unsupported,
+                     sampling_params, spec_overrides, sse, validate)
 from .security import MAX_BODY_BYTES, Guard, key_matches
 
 log = logging.getLogger("gemmaspec.server")
@@ -299,9 +299,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         ids = completion_prompt(req.prompt, e)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError(400, f"logprobs must be in 0..20 (got {req.logprobs})")
+        grammar = grammar_of(body)
         fmt = Formatter("completions", f"cmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, req.logprobs,
                         _include_usage(req))
-        return await _generate(request, req, "completions", ids, params, req.logprobs, fmt)
+        return await _generate(request, req, "completions", ids, params, req.logprobs, fmt, grammar=grammar)
 
     @app.post("/completion")
     @app.post("/completions")
@@ -318,11 +319,12 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         if not -1 <= req.id_slot < cfg.n_slots:
             raise APIError(400, f"id_slot must be -1 (any) or a slot in 0..{cfg.n_slots - 1} (got {req.id_slot})")
         n_max, n_min = spec_overrides(req, cfg)
+        grammar = grammar_of(body)
         fmt = NativeFormatter(info["model_id"], e.tokenizer, req.n_probs, req.return_tokens,
                               {**settings(params, n_max, n_min), "n_probs": req.n_probs, "n_ctx": e.ctx_size,
                                "model": info["model_id"]}, e.tokenizer.decode(ids))
         return await _generate(request, req, "completion", ids, params, req.n_probs if req.n_probs else None, fmt,
-                               want_slot=req.id_slot)
+                               want_slot=req.id_slot, grammar=grammar)
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -346,9 +348,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 raise APIError(400, f"top_logprobs must be in 0..20 (got {top})")
         elif req.top_logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true")
+        grammar = grammar_of(body)
         fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, top,
                         _include_usage(req))
-        return await _generate(request, req, "chat", ids, params, top, fmt)
+        return await _generate(request, req, "chat", ids, params, top, fmt, grammar=grammar)
 
     def _include_usage(req) -> bool | None:
         opts = req.stream_options
@@ -362,7 +365,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         return bool(v)
 
     async def _generate(request: Request, req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt,
-                        want_slot: int = -1):
+                        want_slot: int = -1, grammar=None):
         e = info["engine"]
         # any model name is accepted while one model is served (llama-server does the same)
         if len(ids) >= e.ctx_size:
@@ -372,6 +375,12 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         n_max, n_min = spec_overrides(req, cfg)
         if params.stop:  # build the stop-string automaton here, not on the scheduler thread
             await asyncio.to_thread(stop_matcher, tuple(params.stop))
+        constraint = None
+        if grammar is not None:  # here too (the first one builds llguidance's tokenizer, seconds)
+            try:
+                constraint = await asyncio.to_thread(grammar.constraint, e.tokenizer)
+            except GemmaspecError as exc:
+                raise APIError(400, str(exc)) from None
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -383,7 +392,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
 
         name = getattr(fmt, "id", None) or f"cmpl-{uuid.uuid4().hex[:24]}"
         job = Job(ids, params, emit, n_max, n_min, logprobs, name=name, endpoint=kind, want_slot=want_slot,
-                  cache_prompt=req.cache_prompt)
+                  cache_prompt=req.cache_prompt, constraint=constraint)
         try:
             scheduler.submit(job)
         except RuntimeError as exc:

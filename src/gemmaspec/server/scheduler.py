@@ -52,6 +52,7 @@ class Job:
         want_slot: run only in this slot (llama-server's ``id_slot``); -1 for any.
         cache_prompt: reuse the KV of the longest prefix a free slot already holds (llama-server's
             ``cache_prompt``); the request goes to the free slot holding the longest one.
+        constraint: None, or a fresh :class:`~gemmaspec.grammar.Constraint` the output must follow.
     After it ends, ``stop_word`` is the stop string that ended it ("" if none) and ``cache_n`` the
     prompt tokens reused from the slot's cache (0: the whole prompt was prefilled).
     """
@@ -66,6 +67,7 @@ class Job:
     endpoint: str = "completions"
     want_slot: int = -1
     cache_prompt: bool = True
+    constraint: object = None
     stop_word: str = ""
     cache_n: int = 0
     stats: RequestStats = field(default_factory=RequestStats)
@@ -258,7 +260,7 @@ class Scheduler:
         job = s.job
         try:
             job.state = RequestState(self.engine, job.prompt_ids, job.params, s.drafter, job.n_max, job.n_min,
-                                     job.stats, cache=s.cache, logprobs=job.logprobs)
+                                     job.stats, cache=s.cache, logprobs=job.logprobs, constraint=job.constraint)
             reuse = common_prefix(s.cached, job.prompt_ids) if job.cache_prompt else 0
             s.cached = []  # the cache changes from here on
             events = job.state.prefill(lambda: job.cancelled, reuse)

@@ -119,10 +119,6 @@ UNSUPPORTED = {
     "functions": (_set, "function calling is not supported"),
     "tool_choice": (lambda v: v not in (None, "none", "auto"), "tool calling is not supported"),
     "function_call": (lambda v: v not in (None, "none", "auto"), "function calling is not supported"),
-    "response_format": (lambda v: not (isinstance(v, dict) and v.get("type") == "text") and v is not None,
-                        "constrained decoding (json_object, json_schema) is not supported; only type 'text'"),
-    "json_schema": (_set, "constrained decoding is not supported"),
-    "grammar": (_set, "grammar-constrained decoding is not supported"),
     "echo": (_set, "echoing the prompt is not supported"),
     "suffix": (_set, "insertion (suffix) is not supported"),
     "best_of": (lambda v: v not in (None, 1), "only best_of = 1 is supported"),
@@ -309,6 +305,51 @@ def completion_prompt(prompt, engine) -> list[int]:
     if not ids:
         raise APIError(400, "the prompt is empty")
     return ids
+
+
+def grammar_of(body: dict):
+    """The constraint a request asks for, compiled: OpenAI's ``response_format`` (``json_object``,
+    optionally with llama-server's ``schema``; ``json_schema`` with ``json_schema.schema``),
+    llama-server's ``json_schema`` (a schema) or ``grammar`` (GBNF text); None when none is given.
+
+    Raises:
+        APIError: 400 naming the field and the reason (an unknown type, a schema or grammar that
+            does not compile, more than one of them).
+    """
+    from ..grammar import GrammarError, gbnf_grammar, json_schema_grammar
+
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise APIError(400, f"invalid 'response_format': an object with a 'type' (got {type(rf).__name__})")
+        if rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise APIError(400, f"invalid 'response_format': type must be text, json_object or json_schema "
+                                f"(got {rf.get('type')!r})")
+        if rf["type"] == "text":
+            rf = None
+    given = (["response_format"] if rf else []) + [k for k in ("json_schema", "grammar") if body.get(k) not in (None, "")]
+    if len(given) > 1:
+        raise APIError(400, f"give one of 'response_format', 'json_schema' and 'grammar' (got {', '.join(given)})")
+    if not given:
+        return None
+    field = given[0]
+    try:
+        if field == "grammar":
+            return gbnf_grammar(body["grammar"], "grammar")
+        if field == "json_schema":
+            return json_schema_grammar(body["json_schema"], "json_schema")
+        if rf["type"] == "json_object":
+            return json_schema_grammar(rf.get("schema") or {"type": "object"}, "response_format")
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if schema is None:
+            schema = rf.get("schema")  # llama-server also reads response_format.schema
+        if schema is None:
+            raise APIError(400, "invalid 'response_format': type json_schema needs json_schema.schema "
+                                "(the JSON schema the reply must follow)")
+        return json_schema_grammar(schema, "response_format")
+    except GrammarError as exc:
+        raise APIError(400, str(exc)) from None
 
 
 def spec_overrides(req, cfg) -> tuple[int | str, int]:
