@@ -405,7 +405,7 @@ def test_stream_options_include_usage(oai):
 
 
 @pytest.mark.parametrize("path,extra,field", [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"n": 2}, "n = 1"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),

@@ -34,6 +34,7 @@ from .schema import (APIError, ChatRequest, chat_messages, CompletionRequest, Fo
                      NativeFormatter, completion_prompt, fingerprint, grammar_of, json_body, refuse_unsupported,
                      sampling_params, spec_overrides, sse, validate)
 from .security import MAX_BODY_BYTES, Guard, key_matches
+from .tools import parse_tools, render_history, tools_grammar, with_tools_prompt
 
 log = logging.getLogger("gemmaspec.server")
 
@@ -272,12 +273,18 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return {"content": info["engine"].tokenizer.decode(ids)}
 
+    def chat_prompt(req, spec) -> list[dict]:
+        """The template's messages: tool parts of the history as text, the tools in the system turn."""
+        messages = render_history(chat_messages(req), req.messages)
+        return with_tools_prompt(messages, spec) if spec is not None else messages
+
     @app.post("/apply-template")
     async def apply_template(request: Request):
         guard(request)
-        req = validate(ChatRequest, await json_body(request))
+        body = await json_body(request)
+        req = validate(ChatRequest, body)
         try:
-            return {"prompt": info["engine"].tokenizer.apply_chat_template(chat_messages(req))}
+            return {"prompt": info["engine"].tokenizer.apply_chat_template(chat_prompt(req, parse_tools(body)))}
         except GemmaspecError as exc:
             raise APIError(400, str(exc)) from None
 
@@ -331,12 +338,13 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     async def chat(request: Request):
         guard(request)
         body = await json_body(request)
-        refuse_unsupported(body)
+        refuse_unsupported(body, chat=True)
         req = validate(ChatRequest, body)
         e = info["engine"]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = params_for(req, max_tokens, -1)
-        messages = chat_messages(req)
+        spec = parse_tools(body)
+        messages = chat_prompt(req, spec)
         try:
             ids = e.tokenizer.encode_chat(messages)
         except GemmaspecError as exc:
@@ -349,8 +357,12 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         elif req.top_logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true")
         grammar = grammar_of(body)
+        if spec is not None and spec.active:
+            if grammar is not None:
+                raise APIError(400, f"'tools' cannot be combined with '{grammar.field}' (unless tool_choice is none)")
+            grammar = tools_grammar(spec)
         fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, top,
-                        _include_usage(req))
+                        _include_usage(req), tools=spec if spec is not None and spec.active else None)
         return await _generate(request, req, "chat", ids, params, top, fmt, grammar=grammar)
 
     def _include_usage(req) -> bool | None:
@@ -427,13 +439,33 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     async def _stream(queue, fmt: "Formatter", job: Job):
         if fmt.kind == "chat":
             yield sse(fmt.first_chunk())
+        held = [] if fmt.tools is not None else None  # events held back while the reply may be a tool call
         while True:
             what, payload = await queue.get()
             if what == "events":
                 for ev in payload:
+                    if held is not None:
+                        held.append(ev)
+                        start = "".join(e.text for e in held).lstrip()
+                        if not start or start.startswith("{"):
+                            continue
+                        for e in held:  # plain text: stream it from here on
+                            yield sse(fmt.event_chunk(e))
+                        held = None
+                        continue
                     yield sse(fmt.event_chunk(ev))
             elif what == "done":
-                for c in fmt.final_chunks(job):
+                finish = None
+                if held is not None:
+                    calls = fmt.tool_calls("".join(e.text for e in held), job)
+                    if calls:
+                        for c in fmt.tool_call_chunks(calls):
+                            yield sse(c)
+                        finish = "tool_calls"
+                    else:
+                        for e in held:
+                            yield sse(fmt.event_chunk(e))
+                for c in fmt.final_chunks(job, finish):
                     yield sse(c)
                 yield "data: [DONE]\n\n"
                 return

@@ -115,9 +115,9 @@ def _set(v) -> bool:
 
 
 UNSUPPORTED = {
-    "tools": (_set, "tool calling is not supported"),
+    "tools": (_set, "tool calls are supported on /v1/chat/completions only"),
     "functions": (_set, "function calling is not supported"),
-    "tool_choice": (lambda v: v not in (None, "none", "auto"), "tool calling is not supported"),
+    "tool_choice": (lambda v: v not in (None, "none", "auto"), "tool calls are supported on /v1/chat/completions only"),
     "function_call": (lambda v: v not in (None, "none", "auto"), "function calling is not supported"),
     "echo": (_set, "echoing the prompt is not supported"),
     "suffix": (_set, "insertion (suffix) is not supported"),
@@ -134,12 +134,13 @@ UNSUPPORTED = {
     "modalities": (lambda v: v not in (None, ["text"]), "only text output is supported"),
 }
 NATIVE_OK = {"n_probs"}  # fields /completion implements
+CHAT_OK = {"tools", "tool_choice"}  # fields chat implements (server/tools.py)
 
 
-def refuse_unsupported(body: dict, native: bool = False) -> None:
+def refuse_unsupported(body: dict, native: bool = False, chat: bool = False) -> None:
     """Raise a 400 naming the first field of ``body`` that would change the output but is not implemented."""
     for name, (bad, why) in UNSUPPORTED.items():
-        if native and name in NATIVE_OK:
+        if native and name in NATIVE_OK or chat and name in CHAT_OK:
             continue
         if name in body and bad(body[name]):
             raise APIError(400, f"'{name}' is not supported by gemmaspec: {why} (drop the field)")
@@ -372,7 +373,8 @@ def spec_overrides(req, cfg) -> tuple[int | str, int]:
 
 def chat_messages(req: ChatRequest) -> list[dict]:
     """The chat template's messages from a chat request: roles checked (``developer`` becomes
-    ``system``), text content parts joined.
+    ``system``), text content parts joined. ``tool`` messages and assistant ``tool_calls`` pass
+    through here as they are; :func:`gemmaspec.server.tools.render_history` turns them into text.
 
     Raises:
         APIError: 400 for an unknown role, a missing content, or a non-text content part.
@@ -382,8 +384,15 @@ def chat_messages(req: ChatRequest) -> list[dict]:
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
-        if m.role not in ("system", "developer", "user", "assistant"):
-            raise APIError(400, f"messages[{i}].role must be system, developer, user or assistant (got {m.role!r})")
+        if m.role not in ("system", "developer", "user", "assistant", "tool"):
+            raise APIError(400, f"messages[{i}].role must be system, developer, user, assistant or tool "
+                                f"(got {m.role!r})")
+        calls = (m.model_extra or {}).get("tool_calls")
+        if calls is not None and (m.role != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                for c in calls)):
+            raise APIError(400, f"messages[{i}].tool_calls must be an assistant message's list of "
+                                "{\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
         if content is None and m.role != "assistant":
             raise APIError(400, f"messages[{i}].content is missing: a {m.role} message needs text")
         if isinstance(content, list):
@@ -452,11 +461,14 @@ class Formatter:
 
     ``include_usage``: ``stream_options.include_usage`` (True: usage in a last chunk with no choices
     and ``usage: null`` in the others; False: no usage at all; None, not given: usage in the chunk
-    with the finish reason, as llama-server does)."""
+    with the finish reason, as llama-server does). ``tools``: the chat request's
+    :class:`~gemmaspec.server.tools.ToolSpec` when it may call tools (replies that are calls become
+    ``tool_calls`` with ``finish_reason: "tool_calls"``)."""
 
     def __init__(self, kind: str, rid: str, model: str, tokenizer, logprobs: int | None,
-                 include_usage: bool | None = None):
+                 include_usage: bool | None = None, tools=None):
         self.kind, self.id, self.model, self.tok, self.logprobs = kind, rid, model, tokenizer, logprobs
+        self.tools = tools
         self.text_of = TokenText(tokenizer)
         self.include_usage = include_usage
         self.created = int(time.time())
@@ -512,9 +524,28 @@ class Formatter:
         self.offset += len(ev.text)
         return self.chunk({"content": ev.text} if self.kind == "chat" else ev.text, None, lp)
 
-    def final_chunks(self, job: Job) -> list[dict]:
+    def tool_calls(self, text: str, job: Job) -> list[dict] | None:
+        """The reply's tool calls, or None (no tools, not a call, or cut short before it was complete)."""
+        from .tools import parse_reply
+
+        if self.tools is None or job.stats.stop_reason != "eos":
+            return None
+        return parse_reply(text, self.tools)
+
+    def tool_call_chunks(self, calls: list[dict]) -> list[dict]:
+        """Streamed ``tool_calls`` deltas, as OpenAI sends them: per call, its id, type and name with
+        empty arguments, then the arguments."""
+        out = []
+        for i, c in enumerate(calls):
+            fn = c["function"]
+            out.append(self.chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                                   "function": {"name": fn["name"], "arguments": ""}}]}, None))
+            out.append(self.chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}, None))
+        return out
+
+    def final_chunks(self, job: Job, finish: str | None = None) -> list[dict]:
         """The chunk with the finish reason (and ``timings``), then the usage chunk if asked for."""
-        finish = FINISH.get(job.stats.stop_reason, "stop")
+        finish = finish or FINISH.get(job.stats.stop_reason, "stop")
         delta = {} if self.kind == "chat" else ""
         if self.include_usage is None:
             return [self.chunk(delta, finish, usage=_usage(job), timings=_timings(job))]
@@ -528,8 +559,11 @@ class Formatter:
         finish = FINISH.get(job.stats.stop_reason, "stop")
         lp = self._lp(events)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                      "finish_reason": finish}
+            calls = self.tool_calls(text, job)
+            message = {"role": "assistant", "content": text} if calls is None else \
+                {"role": "assistant", "content": None, "tool_calls": calls}
+            choice = {"index": 0, "message": message, "logprobs": lp,
+                      "finish_reason": finish if calls is None else "tool_calls"}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
