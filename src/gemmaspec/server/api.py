@@ -31,7 +31,7 @@ from ..streaming import stop_matcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .scheduler import Job, Scheduler
 from .schema import (APIError, ChatRequest, chat_messages, CompletionRequest, Formatter, NativeCompletionRequest,
-                     NativeFormatter, completion_prompt, fingerprint, grammar_of, json_body, refuse_unsupported,
+                     NativeFormatter, completion_prompt, fingerprint, grammar_of, native_prompts, json_body, refuse_unsupported,
                      sampling_params, spec_overrides, sse, validate)
 from .security import MAX_BODY_BYTES, Guard, key_matches
 from .tools import parse_tools, render_history, tools_grammar, with_tools_prompt
@@ -50,7 +50,8 @@ class ServeConfig:
     ``defaults`` are the sampling settings a request gets for the fields it leaves out (``--temp``,
     ``--seed``...); ``n_predict`` (``-n``) the token limit for every endpoint (None: 16 for
     ``/v1/completions``, no limit for chat and ``/completion``). ``allowed_hosts``, ``cors_origins`` and
-    ``max_body`` go to :class:`~gemmaspec.server.security.Guard`.
+    ``max_body`` go to :class:`~gemmaspec.server.security.Guard`. ``slot_save_path``: the directory
+    for ``POST /slots/{id}?action=save|restore`` (None: slot actions answer 501).
     """
 
     model: str | None = None
@@ -72,6 +73,7 @@ class ServeConfig:
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     max_body: int = MAX_BODY_BYTES
+    slot_save_path: str | None = None
 
 
 # -- the app -----------------------------------------------------------------------------------------
@@ -233,6 +235,34 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         guard(request)
         return scheduler.slots_info(describe)
 
+    @app.post("/slots/{id_slot}")
+    async def slot_action(id_slot: str, request: Request):
+        guard(request, need_model=False)
+        if not cfg.slot_save_path:
+            raise APIError(501, "This server does not support slots action: start it with --slot-save-path DIR",
+                           "not_supported_error")
+        guard(request)
+        action = request.query_params.get("action")
+        if not id_slot.isdigit() or not int(id_slot) < cfg.n_slots:
+            raise APIError(400, f"no slot {id_slot!r}: slots are 0..{cfg.n_slots - 1}")
+        if action not in ("save", "restore", "erase"):
+            raise APIError(400, f"invalid action {action!r}: save, restore or erase (/slots/ID?action=save)")
+        body = await json_body(request)
+        from . import slots as slot_files
+
+        try:
+            if action == "erase":
+                fn = slot_files.erase
+            else:
+                path = Path(cfg.slot_save_path) / slot_files.check_filename(body.get("filename"))
+                op = slot_files.save if action == "save" else slot_files.restore
+                fn = lambda s: op(s, path, info["path"].name)  # noqa: E731
+            return await asyncio.wrap_future(scheduler.slot_action(int(id_slot), fn))
+        except GemmaspecError as exc:
+            raise APIError(400, str(exc)) from None
+        except RuntimeError as exc:
+            raise APIError(503, str(exc)) from None
+
     @app.get("/metrics")
     async def prometheus(request: Request):
         guard(request, need_model=False)
@@ -320,18 +350,44 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         req = validate(NativeCompletionRequest, body)
         e = info["engine"]
         params = params_for(req, req.max_tokens, -1)
-        ids = completion_prompt(req.prompt, e)
+        prompts = native_prompts(req.prompt, e)
         if not 0 <= req.n_probs <= 20:
             raise APIError(400, f"n_probs must be in 0..20 (got {req.n_probs})")
         if not -1 <= req.id_slot < cfg.n_slots:
             raise APIError(400, f"id_slot must be -1 (any) or a slot in 0..{cfg.n_slots - 1} (got {req.id_slot})")
         n_max, n_min = spec_overrides(req, cfg)
         grammar = grammar_of(body)
-        fmt = NativeFormatter(info["model_id"], e.tokenizer, req.n_probs, req.return_tokens,
-                              {**settings(params, n_max, n_min), "n_probs": req.n_probs, "n_ctx": e.ctx_size,
-                               "model": info["model_id"]}, e.tokenizer.decode(ids))
-        return await _generate(request, req, "completion", ids, params, req.n_probs if req.n_probs else None, fmt,
-                               want_slot=req.id_slot, grammar=grammar)
+        fmts = [NativeFormatter(info["model_id"], e.tokenizer, req.n_probs, req.return_tokens,
+                                {**settings(params, n_max, n_min), "n_probs": req.n_probs, "n_ctx": e.ctx_size,
+                                 "model": info["model_id"]}, e.tokenizer.decode(ids)) for ids in prompts]
+        n_probs = req.n_probs if req.n_probs else None
+        if len(prompts) == 1:
+            return await _generate(request, req, "completion", prompts[0], params, n_probs, fmts[0],
+                                   want_slot=req.id_slot, grammar=grammar)
+        for ids in prompts:  # all or none: check every prompt before any runs
+            _check_context(ids)
+        if req.stream:  # one stream, each event tagged with its prompt's index (llama-server's)
+            queue: asyncio.Queue = asyncio.Queue()
+            jobs = []
+            try:
+                for i, ids in enumerate(prompts):
+                    jobs.append(await _submit(req, "completion", ids, params, n_probs, fmts[i], queue, req.id_slot,
+                                              grammar, tag=i))
+            except BaseException:
+                for j in jobs:
+                    scheduler.cancel(j)
+                raise
+            return _JobStream(_native_multi_stream(queue, fmts, jobs),
+                              on_close=lambda: [scheduler.cancel(j) for j in jobs])
+        got = await asyncio.gather(*[_generate(request, req, "completion", ids, params, n_probs, fmts[i],
+                                               want_slot=req.id_slot, grammar=grammar)
+                                     for i, ids in enumerate(prompts)], return_exceptions=True)
+        for r in got:
+            if isinstance(r, BaseException):
+                raise r
+            if isinstance(r, Response):  # the client left
+                return r
+        return [{**r, "index": i} for i, r in enumerate(got)]
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -376,14 +432,19 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             raise APIError(400, f"stream_options.include_usage must be true or false (got {v!r})")
         return bool(v)
 
-    async def _generate(request: Request, req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt,
-                        want_slot: int = -1, grammar=None):
+    def _check_context(ids: list[int]) -> None:
+        n_ctx = info["engine"].ctx_size
+        if len(ids) >= n_ctx:
+            raise APIError(400, f"request ({len(ids)} tokens) exceeds the available context size ({n_ctx} "
+                                f"tokens), try increasing it (gemmaspec serve -c)", "exceed_context_size_error",
+                           n_prompt_tokens=len(ids), n_ctx=n_ctx)
+
+    async def _submit(req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt, queue: asyncio.Queue,
+                      want_slot: int = -1, grammar=None, tag=None) -> Job:
+        """Queue one generation; its events arrive on ``queue`` (as ``(tag, item)`` when ``tag`` is given)."""
         e = info["engine"]
         # any model name is accepted while one model is served (llama-server does the same)
-        if len(ids) >= e.ctx_size:
-            raise APIError(400, f"request ({len(ids)} tokens) exceeds the available context size ({e.ctx_size} "
-                                f"tokens), try increasing it (gemmaspec serve -c)", "exceed_context_size_error",
-                           n_prompt_tokens=len(ids), n_ctx=e.ctx_size)
+        _check_context(ids)
         n_max, n_min = spec_overrides(req, cfg)
         if params.stop:  # build the stop-string automaton here, not on the scheduler thread
             await asyncio.to_thread(stop_matcher, tuple(params.stop))
@@ -394,11 +455,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             except GemmaspecError as exc:
                 raise APIError(400, str(exc)) from None
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
 
         def emit(item):
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(queue.put_nowait, item if tag is None else (tag, item))
             except RuntimeError:  # the event loop is gone (shutdown)
                 pass
 
@@ -409,6 +469,12 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             scheduler.submit(job)
         except RuntimeError as exc:
             raise APIError(503, str(exc)) from None
+        return job
+
+    async def _generate(request: Request, req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt,
+                        want_slot: int = -1, grammar=None):
+        queue: asyncio.Queue = asyncio.Queue()
+        job = await _submit(req, kind, ids, params, logprobs, fmt, queue, want_slot, grammar)
         if req.stream:
             gen = _native_stream(queue, fmt, job) if kind == "completion" else _stream(queue, fmt, job)
             return _JobStream(gen, on_close=lambda: scheduler.cancel(job))
@@ -469,6 +535,20 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                     yield sse(c)
                 yield "data: [DONE]\n\n"
                 return
+            else:
+                yield _sse_error(payload)
+                return
+
+    async def _native_multi_stream(queue, fmts: list[NativeFormatter], jobs: list[Job]):
+        left = len(jobs)
+        while left:
+            i, (what, payload) = await queue.get()
+            if what == "events":
+                for ev in payload:
+                    yield sse({**fmts[i].event_chunk(ev, jobs[i]), "index": i})
+            elif what == "done":
+                yield sse({**fmts[i].final([], jobs[i], content="", tokens=[]), "index": i})
+                left -= 1
             else:
                 yield _sse_error(payload)
                 return

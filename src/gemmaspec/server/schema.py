@@ -30,7 +30,7 @@ class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with HTTP ``status``; ``extra`` adds fields to it."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 500: "server_error", 503: "unavailable_error"}
+             405: "invalid_request_error", 500: "server_error", 501: "not_supported_error", 503: "unavailable_error"}
 
     def __init__(self, status: int, message: str, type_: str | None = None, **extra):
         super().__init__(message)
@@ -88,7 +88,7 @@ class CompletionRequest(GenerationRequest):
 class NativeCompletionRequest(GenerationRequest):
     """llama-server's ``POST /completion``."""
 
-    prompt: str | list[int | str]
+    prompt: str | list[int | str | list[int | str]]
     n_probs: int = 0
     return_tokens: bool = False
     id_slot: int = -1
@@ -351,6 +351,25 @@ def grammar_of(body: dict):
         return json_schema_grammar(schema, "response_format")
     except GrammarError as exc:
         raise APIError(400, str(exc)) from None
+
+
+def native_prompts(prompt, engine) -> list[list[int]]:
+    """The prompts of a ``/completion`` request, as llama-server reads ``prompt``: text, token ids or a
+    mix of both is one prompt; a list of texts, or a list of such lists, is several (answered with an
+    array of results, in order).
+
+    Raises:
+        APIError: 400 for an empty list, an empty prompt or an id outside the vocabulary.
+    """
+    if isinstance(prompt, list) and not prompt:
+        raise APIError(400, "the prompt is empty")
+    several = isinstance(prompt, list) and (all(isinstance(p, str) for p in prompt) and len(prompt) > 1
+                                             or any(isinstance(p, list) for p in prompt))
+    if not several:
+        return [completion_prompt(prompt, engine)]
+    if not all(isinstance(p, str) or isinstance(p, list) and all(isinstance(x, (int, str)) for x in p) for p in prompt):
+        raise APIError(400, "prompt: a list of prompts holds only texts or lists (of token ids and texts)")
+    return [completion_prompt(p, engine) for p in prompt]
 
 
 def spec_overrides(req, cfg) -> tuple[int | str, int]:
