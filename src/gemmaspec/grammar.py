@@ -67,7 +67,12 @@ class Grammar:
         return Constraint(self, tokenizer)
 
 
-def _check(grammar: str, field: str, kind: str) -> Grammar:
+def checked(grammar: str, field: str, kind: str) -> Grammar:
+    """``grammar`` (llguidance's grammar text) as a :class:`Grammar`, once llguidance accepts it.
+
+    Raises:
+        GrammarError: llguidance's reason it does not.
+    """
     import llguidance
 
     err = llguidance.LLMatcher.validate_grammar(grammar)
@@ -98,7 +103,7 @@ def json_schema_grammar(schema, field: str = "json_schema") -> Grammar:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise GrammarError(field, str(exc)) from None
-    return _check(grammar, field, "json_schema")
+    return checked(grammar, field, "json_schema")
 
 
 def gbnf_grammar(text: str, field: str = "grammar") -> Grammar:
@@ -116,7 +121,7 @@ def gbnf_grammar(text: str, field: str = "grammar") -> Grammar:
     except Exception as exc:  # noqa: BLE001 - the converter raises bare Exception on bad input
         reason = str(exc).removeprefix("Failed to convert the grammar from GBNF to Lark: ")
         raise GrammarError(field, reason) from None
-    return _check(grammar, field, "gbnf")
+    return checked(grammar, field, "gbnf")
 
 
 _llg_lock = threading.Lock()

@@ -30,7 +30,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from ..grammar import Grammar, GrammarError, _check, json_schema_grammar, JSON_WHITESPACE  # noqa: F401
+from ..grammar import JSON_WHITESPACE, Grammar, GrammarError, checked, json_schema_grammar
 from .schema import APIError
 
 TOOL_RESULT_HEADER = "Tool result ({name}, id {id}):"
@@ -151,7 +151,7 @@ def tools_grammar(spec: ToolSpec) -> Grammar | None:
         lark = ("start: calls | TEXT\n"
                 f"calls: %json {{\"x-guidance\": {opts}, \"allOf\": [{json.dumps(schema)}]}}\n"
                 "TEXT: /([^{][\\s\\S]*)?/\n")
-        return _check(llguidance.LLMatcher.grammar_from_lark(lark), "tools", "lark")
+        return checked(llguidance.LLMatcher.grammar_from_lark(lark), "tools", "lark")
     except GrammarError as exc:
         raise APIError(400, str(exc)) from None
 
