@@ -41,6 +41,11 @@ UNSUPPORTED = {"--embedding": "embeddings", "--embeddings": "embeddings", "--rer
                "--mcp-servers-config": "MCP servers", "--mcp-servers-json": "MCP servers"}
 
 
+def refuse(message: str) -> None:
+    print(f"llama-server shim: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def translate(argv: list[str]) -> list[str]:
     """llama-server arguments -> ``gemmaspec serve`` arguments.
 
@@ -51,7 +56,7 @@ def translate(argv: list[str]) -> list[str]:
     while i < len(argv):
         a = argv[i]
         if a in UNSUPPORTED:
-            sys.exit(f"llama-server shim: gemmaspec does not do {UNSUPPORTED[a]} ({a})")
+            refuse(f"gemmaspec does not do {UNSUPPORTED[a]} ({a})")
         if a in VALUE:
             out += [VALUE[a] or a, argv[i + 1]]
             i += 2
@@ -61,9 +66,9 @@ def translate(argv: list[str]) -> list[str]:
         elif a in DROP_FLAG:
             i += 1
         else:
-            sys.exit(f"llama-server shim: unknown llama-server flag {a}")
+            refuse(f"unknown llama-server flag {a}")
     if not has_model:
-        sys.exit(f"llama-server shim: gemmaspec does not do {UNSUPPORTED['--models-dir']} (no model given)")
+        refuse(f"gemmaspec does not do {UNSUPPORTED['--models-dir']} (no model given)")
     # llama-server's --ctx-size is shared by its slots (each gets ctx / parallel, unless --kv-unified);
     # gemmaspec's -c is each slot's own
     if "-c" in out and "-np" in out and "--kv-unified" not in argv:

@@ -8,11 +8,13 @@ model, unsupported features refused at start). The session-wide model downloads
 (``ServerPreset.load_all``) are skipped; ``wget`` (used only to download) is a stub.
 
     python benchmarks/llama_server_suite.py [FILE ...]   # e.g. test_tokenize.py; default: all of unit/
+    python benchmarks/llama_server_suite.py --from-xml   # the table again from the last per-file results
 
 Writes ``benchmarks/results/llama_server_suite.{json,md}``: per file, tests passed / failed / errors
 / skipped, and every failure with a category: ``unsupported`` (the shim refused a flag: embeddings,
-reranking, LoRA, images, router mode, server tools), ``model output`` (an assertion on the text or
-token counts of llama.cpp's test models, which a different model cannot meet), ``other``.
+reranking, LoRA, images, router mode, server tools), ``needs a download`` (a model or projector
+fetched from Hugging Face inside the test), ``model output`` (an assertion on the text or token
+counts of llama.cpp's test models, which a different model cannot meet), ``other``.
 """
 
 from __future__ import annotations
@@ -76,9 +78,10 @@ def support_dir() -> Path:
 
 
 def categorize(message: str, output: str) -> str:
-    m = re.search(r"llama-server shim: (gemmaspec does not do [^\n]*|unknown llama-server flag [^\n]*)", output)
-    if m:
-        return "unsupported: " + m.group(1)
+    if "Server process died with return code 2" in output:  # the shim refused a flag (its stderr is not kept)
+        return "unsupported"
+    if re.search(r"huggingface\.co|wget|no downloads", output):
+        return "needs a download"
     failing = [ln for ln in output.splitlines() if ln.startswith(">")]
     line = failing[-1] if failing else message
     if re.search(r"match_regex|re\.(search|match)|\b(content|n_tokens|tokens|tokens_predicted|predicted_n|prompt_n|"
@@ -99,8 +102,12 @@ def run_file(tests: Path, support: Path, name: str, port: int, timeout: int) -> 
                        cwd=tests, env=env, timeout=timeout, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
         pass
-    out = {"file": name, "seconds": round(time.perf_counter() - t0), "passed": 0, "failed": 0, "errors": 0,
-           "skipped": 0, "failures": []}
+    return parse_xml(xml, name, round(time.perf_counter() - t0), timeout)
+
+
+def parse_xml(xml: Path, name: str, seconds: int, timeout: int) -> dict:
+    """One file's counts and categorized failures from its JUnit XML."""
+    out = {"file": name, "seconds": seconds, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": []}
     if not xml.exists():
         out["errors"] = -1
         out["failures"].append({"test": name, "category": f"other: no result within {timeout} s"})
@@ -120,27 +127,40 @@ def run_file(tests: Path, support: Path, name: str, port: int, timeout: int) -> 
 
 
 def main() -> None:
+    args = sys.argv[1:]
+    from_xml = "--from-xml" in args  # summarize the files' last results without running anything
+    args = [a for a in args if a != "--from-xml"]
     tests, support = suite_dir(), support_dir()
-    names = sys.argv[1:] or sorted(p.name for p in (tests / "unit").glob("test_*.py"))
+    names = args or sorted(p.name for p in (tests / "unit").glob("test_*.py"))
     res = HERE / "results"
     old = {}
-    if sys.argv[1:] and (res / "llama_server_suite.json").exists():
+    if args and (res / "llama_server_suite.json").exists():
         old = {r["file"]: r for r in json.loads((res / "llama_server_suite.json").read_text())["files"]}
     for i, name in enumerate(names):
-        r = run_file(tests, support, name, 18080 + 10 * (i % 50), timeout=1800)
+        if from_xml:
+            if not (support / f"{name}.xml").exists():
+                continue
+            r = parse_xml(support / f"{name}.xml", name, old.get(name, {}).get("seconds", 0), 0)
+        else:
+            r = run_file(tests, support, name, 18080 + 10 * (i % 50), timeout=1800)
         old[name] = r
         print(f"{name}: {r['passed']} passed, {r['failed']} failed, {r['errors']} errors, {r['skipped']} skipped "
               f"({r['seconds']} s)", flush=True)
+        write(res, old)
+
+
+def write(res: Path, old: dict) -> None:
     files = [old[k] for k in sorted(old)]
     out = {"llama_cpp": f"llama-cpp-python {LLAMA_CPP_VERSION} sdist (vendored llama.cpp)", "files": files}
     (res / "llama_server_suite.json").write_text(json.dumps(out, indent=1))
-    lines = ["| file | passed | failed | errors | skipped | unsupported | model output | other |",
-             "|---|---|---|---|---|---|---|---|"]
-    tot = [0] * 7
+    lines = ["| file | passed | failed | errors | skipped | unsupported | needs a download | model output | other |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    tot = [0] * 8
     for r in files:
         cats = [f["category"] for f in r["failures"]]
-        row = [r["passed"], r["failed"], r["errors"], r["skipped"], sum(c.startswith("unsupported") for c in cats),
-               sum(c == "model output" for c in cats), sum(c.startswith("other") for c in cats)]
+        row = [r["passed"], r["failed"], r["errors"], r["skipped"], sum(c == "unsupported" for c in cats),
+               sum(c == "needs a download" for c in cats), sum(c == "model output" for c in cats),
+               sum(c.startswith("other") for c in cats)]
         tot = [a + b for a, b in zip(tot, row)]
         lines.append(f"| {r['file']} | " + " | ".join(map(str, row)) + " |")
     lines.append("| **all** | " + " | ".join(f"**{t}**" for t in tot) + " |")
