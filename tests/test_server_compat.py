@@ -405,13 +405,11 @@ def test_stream_options_include_usage(oai):
 
 
 @pytest.mark.parametrize("path,extra,field", [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"n": 2}, "n = 1"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "nonsense"}}, "response_format"),
-    ("/completion", {"grammar": "root ::= \"a\""}, "grammar"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}, "image_url"),
 ])

@@ -15,7 +15,7 @@ owns a request's KV cache, drafter state, sampler and stop checks but not the ta
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, NamedTuple
 
 import torch
@@ -113,6 +113,11 @@ class RequestState:
         logprobs: None for no log-probabilities; k >= 0 to attach to each token event its
             log-probability under the model (log-softmax of the logits, before any sampling filter)
             and the k most likely alternatives.
+        constraint: None, or a :class:`~gemmaspec.grammar.Constraint` (a fresh one per request):
+            every token is drawn from the tokens its grammar allows, drafts are cut at the first
+            token it forbids, each verify position is masked by its state after the drafts before
+            it, the state advances over kept tokens only, and the request stops (reason ``eos``)
+            once the grammar can only end. A stop token then always ends it, ``ignore_eos`` or not.
 
     Raises:
         InputError: empty or too long prompt, bad parameters, n_max out of range.
@@ -120,7 +125,7 @@ class RequestState:
 
     def __init__(self, engine: "Engine", prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
                  n_max: int | str = 0, n_min: int = 0, stats: RequestStats | None = None, cache=None,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, constraint=None):
         params.validate()
         engine.check_prompt(prompt_ids)
         self.controller = None
@@ -138,7 +143,8 @@ class RequestState:
         self.stats = st = stats if stats is not None else RequestStats()
         self.sampler = Sampler(params)
         st.seed, st.prompt_tokens = self.sampler.seed, len(prompt_ids)
-        self.stop = StopChecker(engine.tokenizer, params)
+        self.constraint = constraint
+        self.stop = StopChecker(engine.tokenizer, replace(params, ignore_eos=False) if constraint else params)
         self.tokens = list(prompt_ids)
         self.hidden = None
         self.done = False
@@ -173,7 +179,8 @@ class RequestState:
         if out is None:
             self.cancel()
             return []
-        token = self.sampler.sample(out.logits[0], ids, pos=len(ids))
+        mask = self.constraint.mask() if self.constraint is not None else None
+        token = self.sampler.sample(out.logits[0], ids, pos=len(ids), mask=mask)
         self.hidden = out.hidden[-1]
         self._t1 = self._t_last = time.perf_counter()
         st = self.stats
@@ -184,6 +191,7 @@ class RequestState:
             self.done = True
             return []
         self.tokens.append(token)
+        self._grammar_step(token)
         st.generated_tokens = 1
         events = [Event(text, [token], self._logprobs(out.logits[0], [token]))]
         self._check_context()
@@ -206,6 +214,8 @@ class RequestState:
         draft = self.drafter.propose(DraftContext(self.tokens, self.hidden), k) if k > 0 else None
         t_drafted = time.perf_counter()
         drafts = list(draft.tokens[:k]) if draft else []
+        if self.constraint is not None and drafts:  # a draft token the grammar forbids ends the draft
+            drafts = drafts[:self.constraint.valid_prefix(drafts)]
         if len(drafts) < max(self.n_min, 1):
             drafts = []
         self._round = (start, drafts, draft.dists if draft else None, t_round, t_drafted)
@@ -220,7 +230,19 @@ class RequestState:
         start, drafts, dists, t_round, t_drafted = self._round
         self._round = None
         st, stop = self.stats, self.stop
-        verdict = verify_round(out.logits, self.tokens, drafts, dists, self.params, self.sampler, pos=len(self.tokens))
+        c, masks = self.constraint, None
+        if c is not None:
+            base = c.consumed
+
+            def masks(i):  # the grammar state after drafts[:i], advanced tentatively
+                while c.consumed - base < i:
+                    c.consume(drafts[c.consumed - base])
+                return c.mask()
+
+        verdict = verify_round(out.logits, self.tokens, drafts, dists, self.params, self.sampler, pos=len(self.tokens),
+                               masks=masks)
+        if c is not None:
+            c.rollback(c.consumed - base)  # back to the kept tokens; they are consumed again below
         new = (drafts[:verdict.n_accepted] + [verdict.next_token])[:self.ctx_size - len(self.tokens)]
         events = []
         for i, t in enumerate(new):
@@ -228,6 +250,7 @@ class RequestState:
             if text is None:
                 break
             events.append(Event(text, [t], self._logprobs(out.logits[i], [t])))
+            self._grammar_step(t)
             if stop.reason:
                 break
         kept = len(events)
@@ -253,6 +276,13 @@ class RequestState:
             self.done = True
 
     # ------------------------------------------------------------------------------------------
+    def _grammar_step(self, token: int) -> None:
+        """Advance the grammar over a kept token; once it can only end, the request ends (``eos``)."""
+        if self.constraint is not None:
+            self.constraint.consume(token)
+            if self.constraint.done and not self.stop.reason:
+                self.stop.reason = "eos"
+
     def _check_context(self) -> None:
         if not self.stop.reason and len(self.tokens) >= self.ctx_size:
             self.stop.reason = "context"
@@ -348,7 +378,8 @@ class Engine:
         return out
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
-                 n_max: int | str = 0, stats: RequestStats | None = None, n_min: int = 0) -> Iterator[Event]:
+                 n_max: int | str = 0, stats: RequestStats | None = None, n_min: int = 0,
+                 constraint=None) -> Iterator[Event]:
         """Generate from ``prompt_ids`` in this engine's cache, yielding text as it is produced (one
         event per round, then any text held back to the end).
 
@@ -360,11 +391,13 @@ class Engine:
                 ``"auto"``: chosen each round by :class:`~gemmaspec.speculative.adaptive.AdaptiveDraftLength`.
             stats: filled in as the request runs (counts, timings, acceptance).
             n_min: a proposal shorter than this is not verified (llama.cpp's ``--spec-draft-n-min``).
+            constraint: a fresh :class:`~gemmaspec.grammar.Constraint`, or None (see :class:`RequestState`).
 
         Raises:
             InputError: empty or too long prompt, bad parameters, n_max out of range.
         """
-        state = RequestState(self, prompt_ids, params, drafter, n_max, n_min, stats, cache=self.cache)
+        state = RequestState(self, prompt_ids, params, drafter, n_max, n_min, stats, cache=self.cache,
+                             constraint=constraint)
         yield from _merged(state.prefill())
         while not state.done:
             rnd = state.begin_round()

@@ -119,18 +119,24 @@ def apply_repeat_penalty(logits: torch.Tensor, history, params: SamplingParams) 
     return logits
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams, history=()) -> tuple[torch.Tensor, torch.Tensor]:
+def filtered_probs(logits: torch.Tensor, params: SamplingParams, history=(),
+                   mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampling distribution at one position, restricted to the tokens it can produce.
 
     Args:
         logits: float32 [V].
         history: ids before this position (for the repetition penalty).
+        mask: None, or bool [V]: the tokens a grammar allows here (:meth:`gemmaspec.grammar.Constraint.mask`);
+            the others are set to -inf after the logit bias and penalties, before top-k (as
+            llama.cpp's grammar sampler), so no filter can bring them back.
 
     Returns:
         ``(ids, probs)``: int64 [n] candidate ids (most likely first) and float64 [n] probabilities
         summing to 1. Greedy gives one id with probability 1.
     """
     logits = apply_repeat_penalty(logits, history, params)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, -math.inf)
     if params.greedy:
         return logits.argmax().view(1), torch.ones(1, dtype=torch.float64)
     v = logits.shape[-1]
@@ -153,6 +159,8 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, history=()) -> 
         keep = min(keep, int(torch.searchsorted(cum, torch.tensor([params.top_p], dtype=torch.float64))) + 1)
     if params.min_p > 0:
         keep = min(keep, int((p >= params.min_p * p[0]).sum()))
+    if mask is not None:  # never a token the grammar forbids, whatever top-k / top-p kept
+        keep = min(keep, int(torch.isfinite(vals).sum()))
     keep = max(1, keep)
     ids, vals = ids[:keep], vals[:keep]
     return ids, torch.softmax(vals.double() / params.temperature, -1)
@@ -193,10 +201,11 @@ class Sampler:
         j = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True).item())
         return int(ids[min(j, ids.shape[0] - 1)])
 
-    def sample(self, logits: torch.Tensor, history=(), pos: int | None = None) -> int:
+    def sample(self, logits: torch.Tensor, history=(), pos: int | None = None, mask: torch.Tensor | None = None) -> int:
         """One token from logits float32 [V]; with ``pos`` (its absolute position) drawn from that
-        position's own stream (:meth:`draw_at`), else from the request's running stream."""
-        if self.params.greedy and self.params.raw_logits:
+        position's own stream (:meth:`draw_at`), else from the request's running stream. ``mask``
+        (bool [V]) restricts it to a grammar's allowed tokens (:func:`filtered_probs`)."""
+        if self.params.greedy and self.params.raw_logits and mask is None:
             return int(logits.argmax())
-        dist = filtered_probs(logits, self.params, history)
+        dist = filtered_probs(logits, self.params, history, mask)
         return self.draw(*dist) if pos is None else self.draw_at(pos, *dist)

@@ -31,9 +31,10 @@ from ..streaming import stop_matcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .scheduler import Job, Scheduler
 from .schema import (APIError, ChatRequest, chat_messages, CompletionRequest, Formatter, NativeCompletionRequest,
-                     NativeFormatter, completion_prompt, fingerprint, json_body, refuse_unsupported, sampling_params,
-                     spec_overrides, sse, validate)
+                     NativeFormatter, completion_prompt, fingerprint, grammar_of, native_prompts, json_body, refuse_unsupported,
+                     sampling_params, spec_overrides, sse, validate)
 from .security import MAX_BODY_BYTES, Guard, key_matches
+from .tools import parse_tools, render_history, tools_grammar, with_tools_prompt
 
 log = logging.getLogger("gemmaspec.server")
 
@@ -49,7 +50,8 @@ class ServeConfig:
     ``defaults`` are the sampling settings a request gets for the fields it leaves out (``--temp``,
     ``--seed``...); ``n_predict`` (``-n``) the token limit for every endpoint (None: 16 for
     ``/v1/completions``, no limit for chat and ``/completion``). ``allowed_hosts``, ``cors_origins`` and
-    ``max_body`` go to :class:`~gemmaspec.server.security.Guard`.
+    ``max_body`` go to :class:`~gemmaspec.server.security.Guard`. ``slot_save_path``: the directory
+    for ``POST /slots/{id}?action=save|restore`` (None: slot actions answer 501).
     """
 
     model: str | None = None
@@ -71,6 +73,7 @@ class ServeConfig:
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     max_body: int = MAX_BODY_BYTES
+    slot_save_path: str | None = None
 
 
 # -- the app -----------------------------------------------------------------------------------------
@@ -232,6 +235,34 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         guard(request)
         return scheduler.slots_info(describe)
 
+    @app.post("/slots/{id_slot}")
+    async def slot_action(id_slot: str, request: Request):
+        guard(request, need_model=False)
+        if not cfg.slot_save_path:
+            raise APIError(501, "This server does not support slots action: start it with --slot-save-path DIR",
+                           "not_supported_error")
+        guard(request)
+        action = request.query_params.get("action")
+        if not id_slot.isdigit() or not int(id_slot) < cfg.n_slots:
+            raise APIError(400, f"no slot {id_slot!r}: slots are 0..{cfg.n_slots - 1}")
+        if action not in ("save", "restore", "erase"):
+            raise APIError(400, f"invalid action {action!r}: save, restore or erase (/slots/ID?action=save)")
+        body = await json_body(request)
+        from . import slots as slot_files
+
+        try:
+            if action == "erase":
+                fn = slot_files.erase
+            else:
+                path = Path(cfg.slot_save_path) / slot_files.check_filename(body.get("filename"))
+                op = slot_files.save if action == "save" else slot_files.restore
+                fn = lambda s: op(s, path, info["path"].name)  # noqa: E731
+            return await asyncio.wrap_future(scheduler.slot_action(int(id_slot), fn))
+        except GemmaspecError as exc:
+            raise APIError(400, str(exc)) from None
+        except RuntimeError as exc:
+            raise APIError(503, str(exc)) from None
+
     @app.get("/metrics")
     async def prometheus(request: Request):
         guard(request, need_model=False)
@@ -272,12 +303,18 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return {"content": info["engine"].tokenizer.decode(ids)}
 
+    def chat_prompt(req, spec) -> list[dict]:
+        """The template's messages: tool parts of the history as text, the tools in the system turn."""
+        messages = render_history(chat_messages(req), req.messages)
+        return with_tools_prompt(messages, spec) if spec is not None else messages
+
     @app.post("/apply-template")
     async def apply_template(request: Request):
         guard(request)
-        req = validate(ChatRequest, await json_body(request))
+        body = await json_body(request)
+        req = validate(ChatRequest, body)
         try:
-            return {"prompt": info["engine"].tokenizer.apply_chat_template(chat_messages(req))}
+            return {"prompt": info["engine"].tokenizer.apply_chat_template(chat_prompt(req, parse_tools(body)))}
         except GemmaspecError as exc:
             raise APIError(400, str(exc)) from None
 
@@ -299,9 +336,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         ids = completion_prompt(req.prompt, e)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError(400, f"logprobs must be in 0..20 (got {req.logprobs})")
+        grammar = grammar_of(body)
         fmt = Formatter("completions", f"cmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, req.logprobs,
                         _include_usage(req))
-        return await _generate(request, req, "completions", ids, params, req.logprobs, fmt)
+        return await _generate(request, req, "completions", ids, params, req.logprobs, fmt, grammar=grammar)
 
     @app.post("/completion")
     @app.post("/completions")
@@ -312,29 +350,57 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         req = validate(NativeCompletionRequest, body)
         e = info["engine"]
         params = params_for(req, req.max_tokens, -1)
-        ids = completion_prompt(req.prompt, e)
+        prompts = native_prompts(req.prompt, e)
         if not 0 <= req.n_probs <= 20:
             raise APIError(400, f"n_probs must be in 0..20 (got {req.n_probs})")
         if not -1 <= req.id_slot < cfg.n_slots:
             raise APIError(400, f"id_slot must be -1 (any) or a slot in 0..{cfg.n_slots - 1} (got {req.id_slot})")
         n_max, n_min = spec_overrides(req, cfg)
-        fmt = NativeFormatter(info["model_id"], e.tokenizer, req.n_probs, req.return_tokens,
-                              {**settings(params, n_max, n_min), "n_probs": req.n_probs, "n_ctx": e.ctx_size,
-                               "model": info["model_id"]}, e.tokenizer.decode(ids))
-        return await _generate(request, req, "completion", ids, params, req.n_probs if req.n_probs else None, fmt,
-                               want_slot=req.id_slot)
+        grammar = grammar_of(body)
+        fmts = [NativeFormatter(info["model_id"], e.tokenizer, req.n_probs, req.return_tokens,
+                                {**settings(params, n_max, n_min), "n_probs": req.n_probs, "n_ctx": e.ctx_size,
+                                 "model": info["model_id"]}, e.tokenizer.decode(ids)) for ids in prompts]
+        n_probs = req.n_probs if req.n_probs else None
+        if len(prompts) == 1:
+            return await _generate(request, req, "completion", prompts[0], params, n_probs, fmts[0],
+                                   want_slot=req.id_slot, grammar=grammar)
+        for ids in prompts:  # all or none: check every prompt before any runs
+            _check_context(ids)
+        if req.stream:  # one stream, each event tagged with its prompt's index (llama-server's)
+            queue: asyncio.Queue = asyncio.Queue()
+            jobs = []
+            try:
+                for i, ids in enumerate(prompts):
+                    jobs.append(await _submit(req, "completion", ids, params, n_probs, fmts[i], queue, req.id_slot,
+                                              grammar, tag=i))
+            except BaseException:
+                for j in jobs:
+                    scheduler.cancel(j)
+                raise
+            return _JobStream(_native_multi_stream(queue, fmts, jobs),
+                              on_close=lambda: [scheduler.cancel(j) for j in jobs])
+        got = await asyncio.gather(*[_generate(request, req, "completion", ids, params, n_probs, fmts[i],
+                                               want_slot=req.id_slot, grammar=grammar)
+                                     for i, ids in enumerate(prompts)], return_exceptions=True)
+        for r in got:
+            if isinstance(r, BaseException):
+                raise r
+            if isinstance(r, Response):  # the client left
+                return r
+        return [{**r, "index": i} for i, r in enumerate(got)]
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat(request: Request):
         guard(request)
         body = await json_body(request)
-        refuse_unsupported(body)
+        refuse_unsupported(body, chat=True)
         req = validate(ChatRequest, body)
         e = info["engine"]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = params_for(req, max_tokens, -1)
-        messages = chat_messages(req)
+        spec = parse_tools(body)
+        messages = chat_prompt(req, spec)
         try:
             ids = e.tokenizer.encode_chat(messages)
         except GemmaspecError as exc:
@@ -346,9 +412,14 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 raise APIError(400, f"top_logprobs must be in 0..20 (got {top})")
         elif req.top_logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true")
+        grammar = grammar_of(body)
+        if spec is not None and spec.active:
+            if grammar is not None:
+                raise APIError(400, f"'tools' cannot be combined with '{grammar.field}' (unless tool_choice is none)")
+            grammar = tools_grammar(spec)
         fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, top,
-                        _include_usage(req))
-        return await _generate(request, req, "chat", ids, params, top, fmt)
+                        _include_usage(req), tools=spec if spec is not None and spec.active else None)
+        return await _generate(request, req, "chat", ids, params, top, fmt, grammar=grammar)
 
     def _include_usage(req) -> bool | None:
         opts = req.stream_options
@@ -361,33 +432,49 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             raise APIError(400, f"stream_options.include_usage must be true or false (got {v!r})")
         return bool(v)
 
-    async def _generate(request: Request, req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt,
-                        want_slot: int = -1):
+    def _check_context(ids: list[int]) -> None:
+        n_ctx = info["engine"].ctx_size
+        if len(ids) >= n_ctx:
+            raise APIError(400, f"request ({len(ids)} tokens) exceeds the available context size ({n_ctx} "
+                                f"tokens), try increasing it (gemmaspec serve -c)", "exceed_context_size_error",
+                           n_prompt_tokens=len(ids), n_ctx=n_ctx)
+
+    async def _submit(req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt, queue: asyncio.Queue,
+                      want_slot: int = -1, grammar=None, tag=None) -> Job:
+        """Queue one generation; its events arrive on ``queue`` (as ``(tag, item)`` when ``tag`` is given)."""
         e = info["engine"]
         # any model name is accepted while one model is served (llama-server does the same)
-        if len(ids) >= e.ctx_size:
-            raise APIError(400, f"request ({len(ids)} tokens) exceeds the available context size ({e.ctx_size} "
-                                f"tokens), try increasing it (gemmaspec serve -c)", "exceed_context_size_error",
-                           n_prompt_tokens=len(ids), n_ctx=e.ctx_size)
+        _check_context(ids)
         n_max, n_min = spec_overrides(req, cfg)
         if params.stop:  # build the stop-string automaton here, not on the scheduler thread
             await asyncio.to_thread(stop_matcher, tuple(params.stop))
+        constraint = None
+        if grammar is not None:  # here too (the first one builds llguidance's tokenizer, seconds)
+            try:
+                constraint = await asyncio.to_thread(grammar.constraint, e.tokenizer)
+            except GemmaspecError as exc:
+                raise APIError(400, str(exc)) from None
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
 
         def emit(item):
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(queue.put_nowait, item if tag is None else (tag, item))
             except RuntimeError:  # the event loop is gone (shutdown)
                 pass
 
         name = getattr(fmt, "id", None) or f"cmpl-{uuid.uuid4().hex[:24]}"
         job = Job(ids, params, emit, n_max, n_min, logprobs, name=name, endpoint=kind, want_slot=want_slot,
-                  cache_prompt=req.cache_prompt)
+                  cache_prompt=req.cache_prompt, constraint=constraint)
         try:
             scheduler.submit(job)
         except RuntimeError as exc:
             raise APIError(503, str(exc)) from None
+        return job
+
+    async def _generate(request: Request, req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt,
+                        want_slot: int = -1, grammar=None):
+        queue: asyncio.Queue = asyncio.Queue()
+        job = await _submit(req, kind, ids, params, logprobs, fmt, queue, want_slot, grammar)
         if req.stream:
             gen = _native_stream(queue, fmt, job) if kind == "completion" else _stream(queue, fmt, job)
             return _JobStream(gen, on_close=lambda: scheduler.cancel(job))
@@ -418,16 +505,50 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     async def _stream(queue, fmt: "Formatter", job: Job):
         if fmt.kind == "chat":
             yield sse(fmt.first_chunk())
+        held = [] if fmt.tools is not None else None  # events held back while the reply may be a tool call
         while True:
             what, payload = await queue.get()
             if what == "events":
                 for ev in payload:
+                    if held is not None:
+                        held.append(ev)
+                        start = "".join(e.text for e in held).lstrip()
+                        if not start or start.startswith("{"):
+                            continue
+                        for e in held:  # plain text: stream it from here on
+                            yield sse(fmt.event_chunk(e))
+                        held = None
+                        continue
                     yield sse(fmt.event_chunk(ev))
             elif what == "done":
-                for c in fmt.final_chunks(job):
+                finish = None
+                if held is not None:
+                    calls = fmt.tool_calls("".join(e.text for e in held), job)
+                    if calls:
+                        for c in fmt.tool_call_chunks(calls):
+                            yield sse(c)
+                        finish = "tool_calls"
+                    else:
+                        for e in held:
+                            yield sse(fmt.event_chunk(e))
+                for c in fmt.final_chunks(job, finish):
                     yield sse(c)
                 yield "data: [DONE]\n\n"
                 return
+            else:
+                yield _sse_error(payload)
+                return
+
+    async def _native_multi_stream(queue, fmts: list[NativeFormatter], jobs: list[Job]):
+        left = len(jobs)
+        while left:
+            i, (what, payload) = await queue.get()
+            if what == "events":
+                for ev in payload:
+                    yield sse({**fmts[i].event_chunk(ev, jobs[i]), "index": i})
+            elif what == "done":
+                yield sse({**fmts[i].final([], jobs[i], content="", tokens=[]), "index": i})
+                left -= 1
             else:
                 yield _sse_error(payload)
                 return

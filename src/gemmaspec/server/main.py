@@ -35,6 +35,9 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     s.add_argument("--cors-origin", "--cors-origins", dest="cors_origin", action="append", default=[],
                    metavar="ORIGINS", help="origins (https://app.example) whose pages may call the API cross-origin "
                                            "(comma-separated, repeatable; '*' for any); default none")
+    s.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="directory for POST /slots/ID?action=save|restore (a slot's prompt cache to a file and "
+                        "back; created if missing); default none: slot actions answer 501")
     d = s.add_argument_group("defaults for requests that leave them out (llama-server's flags)")
     d.add_argument("-n", "--n-predict", type=int, default=None,
                    help="token limit (default: 16 on /v1/completions, none on chat and /completion; -1 = none)")
@@ -100,16 +103,24 @@ def serve(args) -> int:
     from ..sampling import SamplingParams
 
     defaults = SamplingParams(**given).validate()
+    slot_dir = None
+    if args.slot_save_path:
+        slot_dir = Path(args.slot_save_path)
+        try:
+            slot_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"--slot-save-path {slot_dir}: cannot create it ({exc.strerror or exc})") from None
+        slot_dir = str(slot_dir)
     split = lambda vals: tuple(x.strip() for v in vals for x in v.split(",") if x.strip())  # noqa: E731
-    hosts = split(args.allowed_hosts) + (args.host,)  # the bound name itself (IP literals always pass)
-    if args.host in ("0.0.0.0", "::", ""):  # every interface: the machine's own names too
-        hosts += (socket.gethostname(), socket.getfqdn())
+    from .security import host_names
+
+    hosts = host_names(args.host, split(args.allowed_hosts))  # IP literals and localhost always pass
     cfg = ServeConfig(model=args.model, draft_model=args.model_draft, spec_type=args.spec_type, n_max=n_max,
                       n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, ngram_size=args.spec_ngram_size,
                       ngram_min=args.spec_ngram_min, ctx_size=args.ctx_size, n_slots=args.parallel,
                       device=args.device, threads=args.threads, api_key=args.api_key, alias=args.alias,
                       defaults=defaults, n_predict=args.n_predict, allowed_hosts=hosts,
-                      cors_origins=split(args.cors_origin))
+                      cors_origins=split(args.cors_origin), slot_save_path=slot_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -52,6 +53,7 @@ class Job:
         want_slot: run only in this slot (llama-server's ``id_slot``); -1 for any.
         cache_prompt: reuse the KV of the longest prefix a free slot already holds (llama-server's
             ``cache_prompt``); the request goes to the free slot holding the longest one.
+        constraint: None, or a fresh :class:`~gemmaspec.grammar.Constraint` the output must follow.
     After it ends, ``stop_word`` is the stop string that ended it ("" if none) and ``cache_n`` the
     prompt tokens reused from the slot's cache (0: the whole prompt was prefilled).
     """
@@ -66,6 +68,7 @@ class Job:
     endpoint: str = "completions"
     want_slot: int = -1
     cache_prompt: bool = True
+    constraint: object = None
     stop_word: str = ""
     cache_n: int = 0
     stats: RequestStats = field(default_factory=RequestStats)
@@ -129,6 +132,7 @@ class Scheduler:
         self.batched = False
         self.ready = threading.Event()
         self._queue: deque[Job] = deque()
+        self._actions: deque[tuple[int, Callable, Future]] = deque()  # slot actions (save/restore/erase)
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._main, name="gemmaspec-scheduler", daemon=True)
@@ -172,6 +176,35 @@ class Scheduler:
                 job.stats.stop_reason = "cancelled"
                 log.info("%s: cancelled while queued", job.name)
             self._cond.notify_all()
+
+    def slot_action(self, index: int, fn: Callable[[Slot], object]) -> Future:
+        """Run ``fn(slot)`` on the scheduler thread once slot ``index`` is free (between rounds, before
+        the next admission; llama-server defers slot actions the same way); the future gets its result
+        or exception.
+
+        Raises:
+            RuntimeError: the scheduler is stopped or not loaded.
+        """
+        if not self.ready.is_set():
+            raise RuntimeError("the model is not loaded yet")
+        fut: Future = Future()
+        with self._cond:
+            if self._stop:
+                raise RuntimeError("the server is shutting down")
+            self._actions.append((index, fn, fut))
+            self._cond.notify_all()
+        return fut
+
+    def _run_actions(self) -> None:
+        with self._cond:
+            ready = [a for a in self._actions if self.slots[a[0]].job is None]
+            for a in ready:
+                self._actions.remove(a)
+        for index, fn, fut in ready:
+            try:
+                fut.set_result(fn(self.slots[index]))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
 
     def queued(self) -> int:
         with self._cond:
@@ -225,10 +258,14 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._queue and all(s.job is None for s in self.slots):
+                while (not self._stop and not self._queue and not self._actions
+                       and all(s.job is None for s in self.slots)):
                     self._cond.wait()
                 if self._stop:
                     break
+            if self._actions:
+                self._run_actions()
+            with self._cond:
                 admit = []
                 for job in list(self._queue):  # arrival order; a job waiting for its slot lets others pass
                     free = [s for s in self.slots if s.job is None and job.want_slot in (-1, s.index)]
@@ -253,12 +290,14 @@ class Scheduler:
         with self._cond:
             while self._queue:
                 self._queue.popleft().emit(("error", (503, "the server is shutting down")))
+            while self._actions:
+                self._actions.popleft()[2].set_exception(RuntimeError("the server is shutting down"))
 
     def _admit(self, s: Slot) -> None:
         job = s.job
         try:
             job.state = RequestState(self.engine, job.prompt_ids, job.params, s.drafter, job.n_max, job.n_min,
-                                     job.stats, cache=s.cache, logprobs=job.logprobs)
+                                     job.stats, cache=s.cache, logprobs=job.logprobs, constraint=job.constraint)
             reuse = common_prefix(s.cached, job.prompt_ids) if job.cache_prompt else 0
             s.cached = []  # the cache changes from here on
             events = job.state.prefill(lambda: job.cancelled, reuse)

@@ -30,7 +30,7 @@ class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with HTTP ``status``; ``extra`` adds fields to it."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 500: "server_error", 503: "unavailable_error"}
+             405: "invalid_request_error", 500: "server_error", 501: "not_supported_error", 503: "unavailable_error"}
 
     def __init__(self, status: int, message: str, type_: str | None = None, **extra):
         super().__init__(message)
@@ -88,7 +88,7 @@ class CompletionRequest(GenerationRequest):
 class NativeCompletionRequest(GenerationRequest):
     """llama-server's ``POST /completion``."""
 
-    prompt: str | list[int | str]
+    prompt: str | list[int | str | list[int | str]]
     n_probs: int = 0
     return_tokens: bool = False
     id_slot: int = -1
@@ -115,14 +115,10 @@ def _set(v) -> bool:
 
 
 UNSUPPORTED = {
-    "tools": (_set, "tool calling is not supported"),
+    "tools": (_set, "tool calls are supported on /v1/chat/completions only"),
     "functions": (_set, "function calling is not supported"),
-    "tool_choice": (lambda v: v not in (None, "none", "auto"), "tool calling is not supported"),
+    "tool_choice": (lambda v: v not in (None, "none", "auto"), "tool calls are supported on /v1/chat/completions only"),
     "function_call": (lambda v: v not in (None, "none", "auto"), "function calling is not supported"),
-    "response_format": (lambda v: not (isinstance(v, dict) and v.get("type") == "text") and v is not None,
-                        "constrained decoding (json_object, json_schema) is not supported; only type 'text'"),
-    "json_schema": (_set, "constrained decoding is not supported"),
-    "grammar": (_set, "grammar-constrained decoding is not supported"),
     "echo": (_set, "echoing the prompt is not supported"),
     "suffix": (_set, "insertion (suffix) is not supported"),
     "best_of": (lambda v: v not in (None, 1), "only best_of = 1 is supported"),
@@ -138,12 +134,13 @@ UNSUPPORTED = {
     "modalities": (lambda v: v not in (None, ["text"]), "only text output is supported"),
 }
 NATIVE_OK = {"n_probs"}  # fields /completion implements
+CHAT_OK = {"tools", "tool_choice"}  # fields chat implements (server/tools.py)
 
 
-def refuse_unsupported(body: dict, native: bool = False) -> None:
+def refuse_unsupported(body: dict, native: bool = False, chat: bool = False) -> None:
     """Raise a 400 naming the first field of ``body`` that would change the output but is not implemented."""
     for name, (bad, why) in UNSUPPORTED.items():
-        if native and name in NATIVE_OK:
+        if native and name in NATIVE_OK or chat and name in CHAT_OK:
             continue
         if name in body and bad(body[name]):
             raise APIError(400, f"'{name}' is not supported by gemmaspec: {why} (drop the field)")
@@ -311,6 +308,70 @@ def completion_prompt(prompt, engine) -> list[int]:
     return ids
 
 
+def grammar_of(body: dict):
+    """The constraint a request asks for, compiled: OpenAI's ``response_format`` (``json_object``,
+    optionally with llama-server's ``schema``; ``json_schema`` with ``json_schema.schema``),
+    llama-server's ``json_schema`` (a schema) or ``grammar`` (GBNF text); None when none is given.
+
+    Raises:
+        APIError: 400 naming the field and the reason (an unknown type, a schema or grammar that
+            does not compile, more than one of them).
+    """
+    from ..grammar import GrammarError, gbnf_grammar, json_schema_grammar
+
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise APIError(400, f"invalid 'response_format': an object with a 'type' (got {type(rf).__name__})")
+        if rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise APIError(400, f"invalid 'response_format': type must be text, json_object or json_schema "
+                                f"(got {rf.get('type')!r})")
+        if rf["type"] == "text":
+            rf = None
+    given = (["response_format"] if rf else []) + [k for k in ("json_schema", "grammar") if body.get(k) not in (None, "")]
+    if len(given) > 1:
+        raise APIError(400, f"give one of 'response_format', 'json_schema' and 'grammar' (got {', '.join(given)})")
+    if not given:
+        return None
+    field = given[0]
+    try:
+        if field == "grammar":
+            return gbnf_grammar(body["grammar"], "grammar")
+        if field == "json_schema":
+            return json_schema_grammar(body["json_schema"], "json_schema")
+        if rf["type"] == "json_object":
+            return json_schema_grammar(rf.get("schema") or {"type": "object"}, "response_format")
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if schema is None:
+            schema = rf.get("schema")  # llama-server also reads response_format.schema
+        if schema is None:
+            raise APIError(400, "invalid 'response_format': type json_schema needs json_schema.schema "
+                                "(the JSON schema the reply must follow)")
+        return json_schema_grammar(schema, "response_format")
+    except GrammarError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def native_prompts(prompt, engine) -> list[list[int]]:
+    """The prompts of a ``/completion`` request, as llama-server reads ``prompt``: text, token ids or a
+    mix of both is one prompt; a list of texts, or a list of such lists, is several (answered with an
+    array of results, in order).
+
+    Raises:
+        APIError: 400 for an empty list, an empty prompt or an id outside the vocabulary.
+    """
+    if isinstance(prompt, list) and not prompt:
+        raise APIError(400, "the prompt is empty")
+    several = isinstance(prompt, list) and (all(isinstance(p, str) for p in prompt) and len(prompt) > 1
+                                             or any(isinstance(p, list) for p in prompt))
+    if not several:
+        return [completion_prompt(prompt, engine)]
+    if not all(isinstance(p, str) or isinstance(p, list) and all(isinstance(x, (int, str)) for x in p) for p in prompt):
+        raise APIError(400, "prompt: a list of prompts holds only texts or lists (of token ids and texts)")
+    return [completion_prompt(p, engine) for p in prompt]
+
+
 def spec_overrides(req, cfg) -> tuple[int | str, int]:
     """llama-server's per-request ``speculative.n_max`` / ``speculative.n_min`` (n_max 0 turns drafting
     off for the request); the server's settings otherwise."""
@@ -331,7 +392,8 @@ def spec_overrides(req, cfg) -> tuple[int | str, int]:
 
 def chat_messages(req: ChatRequest) -> list[dict]:
     """The chat template's messages from a chat request: roles checked (``developer`` becomes
-    ``system``), text content parts joined.
+    ``system``), text content parts joined. ``tool`` messages and assistant ``tool_calls`` pass
+    through here as they are; :func:`gemmaspec.server.tools.render_history` turns them into text.
 
     Raises:
         APIError: 400 for an unknown role, a missing content, or a non-text content part.
@@ -341,8 +403,15 @@ def chat_messages(req: ChatRequest) -> list[dict]:
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
-        if m.role not in ("system", "developer", "user", "assistant"):
-            raise APIError(400, f"messages[{i}].role must be system, developer, user or assistant (got {m.role!r})")
+        if m.role not in ("system", "developer", "user", "assistant", "tool"):
+            raise APIError(400, f"messages[{i}].role must be system, developer, user, assistant or tool "
+                                f"(got {m.role!r})")
+        calls = (m.model_extra or {}).get("tool_calls")
+        if calls is not None and (m.role != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                for c in calls)):
+            raise APIError(400, f"messages[{i}].tool_calls must be an assistant message's list of "
+                                "{\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
         if content is None and m.role != "assistant":
             raise APIError(400, f"messages[{i}].content is missing: a {m.role} message needs text")
         if isinstance(content, list):
@@ -411,11 +480,14 @@ class Formatter:
 
     ``include_usage``: ``stream_options.include_usage`` (True: usage in a last chunk with no choices
     and ``usage: null`` in the others; False: no usage at all; None, not given: usage in the chunk
-    with the finish reason, as llama-server does)."""
+    with the finish reason, as llama-server does). ``tools``: the chat request's
+    :class:`~gemmaspec.server.tools.ToolSpec` when it may call tools (replies that are calls become
+    ``tool_calls`` with ``finish_reason: "tool_calls"``)."""
 
     def __init__(self, kind: str, rid: str, model: str, tokenizer, logprobs: int | None,
-                 include_usage: bool | None = None):
+                 include_usage: bool | None = None, tools=None):
         self.kind, self.id, self.model, self.tok, self.logprobs = kind, rid, model, tokenizer, logprobs
+        self.tools = tools
         self.text_of = TokenText(tokenizer)
         self.include_usage = include_usage
         self.created = int(time.time())
@@ -471,9 +543,28 @@ class Formatter:
         self.offset += len(ev.text)
         return self.chunk({"content": ev.text} if self.kind == "chat" else ev.text, None, lp)
 
-    def final_chunks(self, job: Job) -> list[dict]:
+    def tool_calls(self, text: str, job: Job) -> list[dict] | None:
+        """The reply's tool calls, or None (no tools, not a call, or cut short before it was complete)."""
+        from .tools import parse_reply
+
+        if self.tools is None or job.stats.stop_reason != "eos":
+            return None
+        return parse_reply(text, self.tools)
+
+    def tool_call_chunks(self, calls: list[dict]) -> list[dict]:
+        """Streamed ``tool_calls`` deltas, as OpenAI sends them: per call, its id, type and name with
+        empty arguments, then the arguments."""
+        out = []
+        for i, c in enumerate(calls):
+            fn = c["function"]
+            out.append(self.chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                                   "function": {"name": fn["name"], "arguments": ""}}]}, None))
+            out.append(self.chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}, None))
+        return out
+
+    def final_chunks(self, job: Job, finish: str | None = None) -> list[dict]:
         """The chunk with the finish reason (and ``timings``), then the usage chunk if asked for."""
-        finish = FINISH.get(job.stats.stop_reason, "stop")
+        finish = finish or FINISH.get(job.stats.stop_reason, "stop")
         delta = {} if self.kind == "chat" else ""
         if self.include_usage is None:
             return [self.chunk(delta, finish, usage=_usage(job), timings=_timings(job))]
@@ -487,8 +578,11 @@ class Formatter:
         finish = FINISH.get(job.stats.stop_reason, "stop")
         lp = self._lp(events)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                      "finish_reason": finish}
+            calls = self.tool_calls(text, job)
+            message = {"role": "assistant", "content": text} if calls is None else \
+                {"role": "assistant", "content": None, "tool_calls": calls}
+            choice = {"index": 0, "message": message, "logprobs": lp,
+                      "finish_reason": finish if calls is None else "tool_calls"}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}

@@ -57,6 +57,22 @@ def host_allowed(host: str | None, allowed: frozenset[str]) -> bool:
         return False
 
 
+WILDCARD_BINDS = ("0.0.0.0", "::", "")
+
+
+def host_names(bind: str, allowed=()) -> tuple[str, ...]:
+    """The ``Host`` names a server bound to ``bind`` answers to, besides IP literals and ``localhost``
+    (always accepted): the ``--allowed-hosts`` names and the bound name; for a wildcard bind
+    (``0.0.0.0``, ``::``: every interface) also the machine's own names (host name and FQDN), so
+    ``http://MACHINE:PORT`` works from the network while a DNS-rebinding name still gets a 400."""
+    import socket
+
+    names = tuple(allowed) + (bind,)
+    if bind in WILDCARD_BINDS:
+        names += (socket.gethostname(), socket.getfqdn())
+    return tuple(n.lower().rstrip(".") for n in names if n and n not in WILDCARD_BINDS)
+
+
 def _error(status: int, message: str, type_: str) -> tuple[dict, bytes]:
     body = json.dumps({"error": {"message": message, "type": type_, "code": status}}).encode()
     start = {"type": "http.response.start", "status": status,

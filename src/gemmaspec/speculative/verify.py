@@ -116,7 +116,7 @@ def verify_by_position(target_dists, drafts, draw_at, pos: int) -> Verdict:
 
 
 def verify_round(logits: torch.Tensor, history: list[int], drafts: list[int], dists, params, sampler,
-                 pos: int | None = None) -> Verdict:
+                 pos: int | None = None, masks=None) -> Verdict:
     """Decide one speculative round from the target's logits.
 
     Args:
@@ -131,19 +131,25 @@ def verify_round(logits: torch.Tensor, history: list[int], drafts: list[int], di
         sampler: the request's :class:`~gemmaspec.sampling.Sampler` (its seeded uniform and draw).
         pos: absolute position of the first token the round produces; with one-hot drafts
             (``dists`` None) sampling then verifies by per-position draws (:func:`verify_by_position`).
+        masks: None, or a callable i -> bool [V], the tokens a grammar allows at position i (its
+            state after ``drafts[:i]``); called lazily and in order, at most once per position. A
+            draft the grammar forbids has probability 0 under the masked target, so it is rejected.
     """
-    if params.greedy and params.raw_logits:
+    mask = masks if masks is not None else (lambda i: None)
+    if params.greedy and params.raw_logits and masks is None:
         return verify_greedy(logits.argmax(-1).tolist(), drafts)
-    if params.greedy:
-        targets = [int(filtered_probs(logits[i], params, history + drafts[:i])[0][0]) for i in range(len(drafts) + 1)]
-        return verify_greedy(targets, drafts)
     memo = {}
 
     def target(i):
         if i not in memo:
-            memo[i] = filtered_probs(logits[i], params, history + drafts[:i])
+            memo[i] = filtered_probs(logits[i], params, history + drafts[:i], mask(i))
         return memo[i]
 
+    if params.greedy:
+        n = 0  # lazily: the masks after a rejected draft are never needed
+        while n < len(drafts) and int(target(n)[0][0]) == int(drafts[n]):
+            n += 1
+        return Verdict(n, int(target(n)[0][0]), "recovered" if n < len(drafts) else "bonus")
     if dists is None and pos is not None:
         return verify_by_position(target, drafts, sampler.draw_at, pos)
     return verify_sampling(target, drafts, dists, sampler.uniform, sampler.draw)
