@@ -135,7 +135,9 @@ class SpmText:
     def __init__(self, model_file: Path, controls: list[tuple[int, str]]):
         import sentencepiece as spm
 
-        self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
+        self.model_bytes = Path(model_file).read_bytes()  # kept for saving (~4 MB)
+        self.controls_list = [(int(i), t) for i, t in controls]
+        self.sp = spm.SentencePieceProcessor(model_proto=self.model_bytes)
         self.size = self.sp.get_piece_size()
         self.controls = {t: int(i) for i, t in controls}
         self.control_ids = frozenset(self.controls.values())

@@ -139,6 +139,8 @@ class GemmaTokenizer:
         meta = {"bos_id": self.bos_id, "eos_id": self.eos_id, "add_bos": self.add_bos,
                 "chat_template": self.chat_template_from_file, "spm_controls": None}
         spm = getattr(self, "_spm", None)
+        if spm is None and self.fast is not None:  # loaded from a cache entry: save what it was read from
+            spm = (self.fast.model_bytes, self.fast.controls_list)
         if spm is not None:
             (Path(directory) / "tokenizer.model").write_bytes(spm[0])
             meta["spm_controls"] = spm[1]

@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..grammar import JSON_WHITESPACE, Grammar, GrammarError, checked, json_schema_grammar
-from .schema import APIError
+from .apierror import APIError
 
 TOOL_RESULT_HEADER = "Tool result ({name}, id {id}):"
 """The line that opens a tool result in a user turn."""
