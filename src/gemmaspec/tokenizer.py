@@ -2,9 +2,10 @@
 
 The tokenizer is transformers' own GGUF conversion (``transformers.integrations.gguf.
 gguf_tokenizer_mapping``: the file's SentencePiece vocabulary and merges handed to a ``tokenizers``
-BPE model), so our ids equal the reference's. Building it takes seconds, so the loader keeps it as
-``tokenizer.json`` in the tokenizer cache (:mod:`gemmaspec.loading.tokenizer_cache`); loading that
-takes about 1 s.
+BPE model), so our ids equal the reference's. Building it takes seconds, so the loader keeps it in the tokenizer cache
+(:mod:`gemmaspec.loading.tokenizer_cache`), both as ``tokenizer.json`` (~1.8 s to load) and as the
+same BPE in a SentencePiece model (~0.1 s; :mod:`gemmaspec.spm_tokenizer`), which serves encode and
+decode; the ``tokenizers`` object is loaded only when something asks for :attr:`GemmaTokenizer.backend`.
 
 BOS follows the file's ``tokenizer.ggml.add_bos_token``. The chat template is the file's
 ``tokenizer.chat_template`` when present, else Gemma's built-in turn format (below).
