@@ -20,9 +20,12 @@ model (every matrix, token embedding and head included), made once by llama.cpp'
 llama-cpp-python (``llama_quantize.py``) and cached in ``$GEMMASPEC_HOME/bench``.
 
     python benchmarks/decode.py [--model PATH] [--threads N[,N...]] [--all-q4_0] [--n 128] [--repeats 3]
-                                [--load quiet|busy|both] [--prompts code,prose,qa] [--no-llama] [--build-llama]
+                                [--load quiet|busy|both] [--prompts code,prose,qa] [--isa avx512,avx2]
+                                [--out decode] [--no-llama] [--build-llama]
 
-Writes benchmarks/results/decode.json (machine: CPU model and SIMD flags) and decode.md.
+``--isa avx512,avx2`` measures several kernel paths side by side (``GEMMASPEC_ISA`` per run): on an AVX-512
+machine the AVX2 path is what an AVX2-only CPU of the same core would run (llama.cpp stays built for this
+CPU). Writes benchmarks/results/<out>.json (machine: CPU model and SIMD flags) and <out>.md.
 """
 
 from __future__ import annotations
@@ -74,9 +77,11 @@ def model_bytes(path) -> dict:
     return b
 
 
-def ours(model, prompt, n, threads):
+def ours(model, prompt, n, threads, isa=None):
+    """One cold ``gemmaspec generate`` run; ``isa`` forces the kernel path (``GEMMASPEC_ISA``), None = auto."""
+    env = None if isa is None else {**os.environ, "GEMMASPEC_ISA": isa}
     r = run_cold([sys.executable, "-m", "gemmaspec", "generate", "-m", str(model), "-p", prompt, "-n", str(n),
-                  "--temp", "0", "--ignore-eos", "-t", str(threads), "--spec-type", "none", "--json"])
+                  "--temp", "0", "--ignore-eos", "-t", str(threads), "--spec-type", "none", "--json"], env=env)
     s = json.loads(r["stdout"].rstrip("\n").rsplit("\n", 1)[-1])  # --json: the stats are the last stdout line
     return {"prompt_tokens": s["prompt_tokens"], "prefill_tps": s["prefill_tps"], "generated": s["generated_tokens"],
             "decode_tps": s["decode_tps"], "ttft_ms": s["ttft_ms"], "cold_first_token_s": r["first_output_s"],
@@ -94,13 +99,19 @@ def llama(py, model, prompt, n, threads):
     return d
 
 
-def measure(py, model, prompts, n, threads, repeats) -> dict:
-    """{prompt kind: {engine: [run dicts]}}, engines taking turns within each repeat."""
+def engine_name(isa) -> str:
+    return "gemmaspec" if isa is None else f"gemmaspec {isa}"
+
+
+def measure(py, model, prompts, n, threads, repeats, isas=(None,)) -> dict:
+    """{prompt kind: {engine: [run dicts]}}, engines (each kernel path in ``isas``, then llama.cpp) taking
+    turns within each repeat."""
     raw = {}
     for kind in prompts:
-        runs = raw.setdefault(kind, {"gemmaspec": []} | ({"llama.cpp": []} if py else {}))
+        runs = raw.setdefault(kind, {engine_name(i): [] for i in isas} | ({"llama.cpp": []} if py else {}))
         for _ in range(repeats):
-            runs["gemmaspec"].append(ours(model, PROMPTS[kind], n, threads))
+            for isa in isas:
+                runs[engine_name(isa)].append(ours(model, PROMPTS[kind], n, threads, isa))
             if py:
                 runs["llama.cpp"].append(llama(py, model, PROMPTS[kind], n, threads))
     return raw
@@ -137,6 +148,10 @@ def main():
     ap.add_argument("--load", choices=("quiet", "busy", "both"), default="quiet",
                     help="decode on a quiet machine, with one busy process this script starts, or both")
     ap.add_argument("--prompts", default=",".join(PROMPTS), help=f"comma-separated subset of {', '.join(PROMPTS)}")
+    ap.add_argument("--isa", default=None,
+                    help="kernel paths to measure side by side, comma-separated (avx512, avx2, neon, portable: those "
+                         "this CPU runs; sets GEMMASPEC_ISA per run); default: the best this CPU has")
+    ap.add_argument("--out", default="decode", help="results name under benchmarks/results (default decode)")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     ap.add_argument("--build-llama", action="store_true",
                     help="build llama-cpp-python into its venv if missing (about 16 minutes on 2 cores)")
@@ -145,6 +160,7 @@ def main():
     if any(p not in PROMPTS for p in prompts):
         ap.error(f"--prompts: choose from {', '.join(PROMPTS)} (got {a.prompts})")
     thread_list = [int(t) for t in a.threads.split(",")] if a.threads else [physical_cores()]
+    isas = tuple(i.strip() for i in a.isa.split(",")) if a.isa else (None,)
     threads = max(thread_list)
     model = a.model or default_model_path()
     py = None
@@ -159,7 +175,8 @@ def main():
             ap.error("--all-q4_0 needs llama-cpp-python (its quantizer makes the conversion): --build-llama")
         models["all-Q4_0"] = all_q4_0(py, model)
     for m_path in models.values():
-        ours(m_path, "warm-up", 2, threads)  # builds the tokenizer cache and the kernels once
+        for isa in isas:
+            ours(m_path, "warm-up", 2, threads, isa)  # builds the tokenizer cache and the kernels once
     # the cold-start goal is counted from `import torch`: time that alone in the same kind of process
     torch_s = median([run_cold([sys.executable, "-c", "import torch; print(1)"])["first_output_s"]
                       for _ in range(max(3, a.repeats))])
@@ -172,10 +189,10 @@ def main():
             for t in thread_list:
                 key = f"{cond} | {m_name} | {t}"
                 if cond == "quiet":
-                    raw[key] = measure(py, m_path, prompts, a.n, t, a.repeats)
+                    raw[key] = measure(py, m_path, prompts, a.n, t, a.repeats, isas)
                 else:
                     with busy_process():
-                        raw[key] = measure(py, m_path, prompts, a.n, t, a.repeats)
+                        raw[key] = measure(py, m_path, prompts, a.n, t, a.repeats, isas)
         loads[f"after {cond}"] = os.getloadavg()[0]
     # after the runs: a child's peak RSS (wait4) includes this process's peak at the time it was started,
     # so this process loads the model and the bandwidth array only once every run is done
@@ -184,7 +201,8 @@ def main():
     step = steps[os.path.basename(str(model))]
 
     m = machine()
-    lines = [f"Machine: {m['cpu']}, {m['cores']} cores; SIMD: {m['simd']}; kernel path {m['kernel_isa']}; "
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores; SIMD: {m['simd']}; kernel path "
+             f"{m['kernel_isa'] if a.isa is None else a.isa}; "
              f"threads {','.join(map(str, thread_list))}; greedy; {a.n} new tokens; median of {a.repeats} cold runs per prompt; "
              f"model {os.path.basename(str(model))}" + ("" if py else "; llama.cpp not installed, not measured"),
              f"Weights read per decode step: {step['total'] / 2**20:.1f} MiB ({step['matrices']} matrices; "
@@ -206,15 +224,15 @@ def main():
                    for eng, rs in runs.items()}
             for eng, md in med.items():
                 ratio = md["decode_tps"] / med["llama.cpp"]["decode_tps"] \
-                    if eng == "gemmaspec" and "llama.cpp" in med else None
-                gbs = gb_step * md["decode_tps"] if eng == "gemmaspec" else None
+                    if eng.startswith("gemmaspec") and "llama.cpp" in med else None
+                gbs = gb_step * md["decode_tps"] if eng.startswith("gemmaspec") else None
                 share = "" if gbs is None else f"{gbs:.1f} ({gbs / bw['best_gbs']:.0%})"
                 lines.append(
                     f"| {cond} | {kind} | {eng} | {md['prompt_tokens']:.0f} | {md['prefill_tps']:.1f} | "
                     f"{md['decode_tps']:.1f} | {share} | "
                     f"{md['cold_first_token_s']:.2f} | {md['peak_rss_mb']:.0f} | "
                     f"{'' if ratio is None else f'{ratio:.2f}x'} |")
-    write_results("decode", {"machine": m, "settings": vars(a) | {"model": str(model), "threads": thread_list,
+    write_results(a.out, {"machine": m, "settings": vars(a) | {"model": str(model), "threads": thread_list,
                                                               "models": {k: str(v) for k, v in models.items()}},
                              "llama_cpp_installed": py is not None, "bytes_per_step": steps,
                              "read_bandwidth": bw, "loadavg": loads, "torch_import_s": torch_s, "runs": raw}, "\n".join(lines))

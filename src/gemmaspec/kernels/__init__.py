@@ -110,7 +110,8 @@ def cpu_supports(isa: str) -> bool:
 
 
 def _flags(isa: str) -> list[str]:
-    return ["-O3", "-march=native", "-ffp-contract=off", "-pthread", *_ISA_FLAGS[isa]]
+    return ["-O3", "-march=native", "-ffp-contract=off", "-pthread", *_ISA_FLAGS[isa],
+            *os.environ.get("GEMMASPEC_CFLAGS", "").split()]
 
 
 def _compile(src: Path, out: Path, isa: str = "auto") -> None:
@@ -533,6 +534,12 @@ class StackedWeight(CPUBlockWeight):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.dequantize()[ids]
+
+    def _tiled(self, lib, x2: torch.Tensor) -> torch.Tensor:
+        """Each part's own tiled product, side by side: a BLAS matmul's bits for a column can depend on
+        how many columns it is given (they do with PyTorch's CPU BLAS on an AMD EPYC), so a part's
+        columns are computed exactly as the part alone computes them."""
+        return torch.cat([p._tiled(lib, x2) for p in self.parts], dim=-1)
 
     def to(self, device: torch.device | str) -> BlockWeight:
         """On the CPU: a StackedWeight there; elsewhere the parts' device layouts joined
