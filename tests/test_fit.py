@@ -17,14 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_estimate_agrees_with_measured_memory_on_the_default_model():
-    """A fresh process fills a 512-token context; its peak resident memory is within 10% of fit's."""
+    """A fresh process fills a 512-token context; fit's estimate is at most 10% below its peak resident
+    memory (under would say a model fits that does not) and at most 20% above it. How much the prefill's
+    BLAS calls keep resident depends on the CPU: -2% on a 2-core Intel Xeon, +14% on a 2-core AMD
+    EPYC (Zen 4), the same code and libraries."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, "fit_check.py", "--child", "-", "-", "512"], cwd=ROOT / "benchmarks",
                          capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
     assert r["tokens"] > 0
-    assert abs(r["estimate"] / r["peak"] - 1) < 0.10, r
+    assert -0.10 < r["estimate"] / r["peak"] - 1 < 0.20, r
 
 
 def test_kv_caps_sliding_layers_and_counts_shared_layers_once():
