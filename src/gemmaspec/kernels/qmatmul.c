@@ -224,7 +224,13 @@ static inline void super_scales(const int fmt, const uint8_t *w, int sb, float k
         const float d = f16_to_f32(blk);
         uint8_t sc[8], mn[8];
         q4_k_unpack(blk + 4, sc, mn);
+#if defined(GS_AVX512) || defined(GS_AVX2)
+        /* the same 8 products, in one vector multiply */
+        _mm256_storeu_ps(ks, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                                  _mm_loadl_epi64((const __m128i *)sc)))));
+#else
         for (int j = 0; j < 8; j++) ks[j] = d * (float)sc[j];
+#endif
     } else if (fmt == FMT_Q6_K) {
         const uint8_t *blk = w + (long)sb * Q6_K_BYTES;
         const float d = f16_to_f32(blk + 208);
@@ -298,7 +304,12 @@ static void offsets_term(const int fmt, const void *w, const float *o, int nb, c
             const float dmin = f16_to_f32(blk + 2);
             uint8_t sc[8], mn[8];
             q4_k_unpack(blk + 4, sc, mn);
+#if defined(GS_AVX512) || defined(GS_AVX2)
+            _mm256_storeu_ps(ob, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                   _mm_loadl_epi64((const __m128i *)mn)))), _mm256_set1_ps(-0.f)));
+#else
             for (int j = 0; j < 8; j++) ob[j] = -(dmin * (float)mn[j]);
+#endif
             for (int m = 0; m < M; m++)
                 for (int j = 0; j < 8; j++) acc[m] += ob[j] * xsum[(long)m * nb + sb * 8 + j];
         }
