@@ -110,6 +110,8 @@ def cpu_supports(isa: str) -> bool:
 
 
 def _flags(isa: str) -> list[str]:
+    """Compiler flags of the kernel for ``isa``, plus ``GEMMASPEC_CFLAGS`` (split on spaces: extra flags
+    for tuning builds, e.g. ``-DGS_ONE_ROW_FMTS=12``; they are part of the cache key)."""
     return ["-O3", "-march=native", "-ffp-contract=off", "-pthread", *_ISA_FLAGS[isa],
             *os.environ.get("GEMMASPEC_CFLAGS", "").split()]
 
