@@ -306,7 +306,7 @@ def test_any_model_name_server_defaults_and_openai_extras(srv, oai):
     r = oai.chat.completions.create(model="gpt-3.5-turbo", messages=[{"role": "user", "content": "Count to 50"}],
                                     extra_body={"ignore_eos": True})
     assert r.model == MODEL and r.usage.completion_tokens == 24  # -n 24, any model name
-    assert r.system_fingerprint.startswith("gemmaspec-")
+    assert r.system_fingerprint.startswith("b0-gemmaspec-")
     assert [m.id for m in oai.models.list().data] == [MODEL]
     c = oai.completions.create(model="whatever", prompt=REPEAT, extra_body={"n_predict": 5, "ignore_eos": True})
     assert c.usage.completion_tokens == 5

@@ -414,10 +414,12 @@ def sse(obj) -> str:
 
 
 def fingerprint() -> str:
-    """``system_fingerprint``: the gemmaspec version that answered."""
+    """``system_fingerprint`` (and ``/props``' ``build_info``), shaped like llama-server's
+    ``b<build>-<commit>`` (clients and llama.cpp's tests check that it starts with ``b``): build 0,
+    then the gemmaspec version that answered, ``b0-gemmaspec-0.1.0``."""
     from .. import __version__
 
-    return f"gemmaspec-{__version__}"
+    return f"b0-gemmaspec-{__version__}"
 
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
