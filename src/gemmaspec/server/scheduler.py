@@ -54,6 +54,10 @@ class Job:
         cache_prompt: reuse the KV of the longest prefix a free slot already holds (llama-server's
             ``cache_prompt``); the request goes to the free slot holding the longest one.
         constraint: None, or a fresh :class:`~gemmaspec.grammar.Constraint` the output must follow.
+        post_sampling: with ``logprobs``, probabilities in the sampling distribution instead
+            (llama-server's ``post_sampling_probs``).
+        progress: emit ``("progress", {"total", "cache", "processed", "time_ms"})`` before and after
+            each prefill chunk (llama-server's ``return_progress``).
     After it ends, ``stop_word`` is the stop string that ended it ("" if none) and ``cache_n`` the
     prompt tokens reused from the slot's cache (0: the whole prompt was prefilled).
     """
@@ -69,6 +73,8 @@ class Job:
     want_slot: int = -1
     cache_prompt: bool = True
     constraint: object = None
+    post_sampling: bool = False
+    progress: bool = False
     stop_word: str = ""
     cache_n: int = 0
     stats: RequestStats = field(default_factory=RequestStats)
@@ -297,10 +303,16 @@ class Scheduler:
         job = s.job
         try:
             job.state = RequestState(self.engine, job.prompt_ids, job.params, s.drafter, job.n_max, job.n_min,
-                                     job.stats, cache=s.cache, logprobs=job.logprobs, constraint=job.constraint)
+                                     job.stats, cache=s.cache, logprobs=job.logprobs, constraint=job.constraint,
+                                     post_sampling=job.post_sampling)
             reuse = common_prefix(s.cached, job.prompt_ids) if job.cache_prompt else 0
             s.cached = []  # the cache changes from here on
-            events = job.state.prefill(lambda: job.cancelled, reuse)
+            progress = None
+            if job.progress:
+                def progress(total, cache, processed, ms):
+                    if not job.cancelled:
+                        job.emit(("progress", {"total": total, "cache": cache, "processed": processed, "time_ms": ms}))
+            events = job.state.prefill(lambda: job.cancelled, reuse, progress)
             job.cache_n = job.state.reused
         except GemmaspecError as exc:
             self._fail(s, str(exc), status=400)
