@@ -51,7 +51,12 @@ class ServeConfig:
     ``--seed``...); ``n_predict`` (``-n``) the token limit for every endpoint (None: 16 for
     ``/v1/completions``, no limit for chat and ``/completion``). ``allowed_hosts``, ``cors_origins`` and
     ``max_body`` go to :class:`~gemmaspec.server.security.Guard`. ``slot_save_path``: the directory
-    for ``POST /slots/{id}?action=save|restore`` (None: slot actions answer 501).
+    for ``POST /slots/{id}?action=save|restore`` (None: slot actions answer 501). ``alias``: the
+    model's names, comma-separated (``/v1/models`` reports the alphabetically first as ``id`` and all
+    as ``aliases``, with ``tags``, as llama-server). ``verbose`` (``--verbose``): every OpenAI response
+    carries ``__verbose``; ``slots_endpoint`` False (``--no-slots``): ``GET /slots`` answers 501;
+    ``ui`` False (``--no-ui``): ``/`` answers 404. ``chat_template``: Jinja text replacing the model's
+    template (``--chat-template``, ``--chat-template-file``).
     """
 
     model: str | None = None
@@ -74,6 +79,11 @@ class ServeConfig:
     cors_origins: tuple[str, ...] = ()
     max_body: int = MAX_BODY_BYTES
     slot_save_path: str | None = None
+    verbose: bool = False
+    slots_endpoint: bool = True
+    ui: bool = True
+    tags: tuple[str, ...] = ()
+    chat_template: str | None = None
 
 
 # -- the app -----------------------------------------------------------------------------------------
@@ -109,6 +119,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         on_load_error: called with the exception if loading fails (scheduler thread).
     """
     info: dict[str, Any] = {}
+    started = int(time.time())
 
     def load():
         from ..loader import drafter_factory, load_engine
@@ -117,13 +128,16 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         t0 = time.perf_counter()
         path = Path(cfg.model) if cfg.model else default_model_path()
         engine = load_engine(path, ctx_size=cfg.ctx_size, device=cfg.device, threads=cfg.threads)
+        if cfg.chat_template is not None:
+            engine.tokenizer.chat_template = cfg.chat_template
         spec, make = drafter_factory(cfg.spec_type, engine, cfg.draft_model, cfg.p_min, cfg.ngram_size,
                                      cfg.ngram_min)
         if cfg.n_max == "auto" and spec != "none":
             engine.forward_costs()
         names = {path.name, path.stem, str(path), str(cfg.model or "")}
-        info.update(engine=engine, path=path, spec_type=spec, model_id=cfg.alias or path.name,
-                    names={n for n in names | {cfg.alias or ""} if n}, load_s=time.perf_counter() - t0,
+        aliases = sorted({a.strip() for a in (cfg.alias or "").split(",") if a.strip()})
+        info.update(engine=engine, path=path, spec_type=spec, model_id=aliases[0] if aliases else path.name,
+                    aliases=aliases, names={n for n in names | set(aliases) if n}, load_s=time.perf_counter() - t0,
                     created=int(time.time()))
         return engine, make
 
@@ -173,6 +187,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     # -- read-only endpoints -----------------------------------------------------------------------
     @app.get("/", include_in_schema=False)
     async def index():
+        if not cfg.ui:
+            raise APIError(404, "the web UI is disabled (--no-ui)")
         return HTMLResponse(resources.files("gemmaspec.server").joinpath("static/index.html").read_text("utf-8"))
 
     @app.get("/health")
@@ -188,6 +204,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         e = info["engine"]
         return {"object": "list", "data": [{
             "id": info["model_id"], "object": "model", "created": info["created"], "owned_by": "gemmaspec",
+            "aliases": info["aliases"], "tags": list(cfg.tags),
             "meta": {"n_ctx": e.ctx_size, "n_vocab": e.tokenizer.vocab_size,
                      "architecture": getattr(e.model.config, "architecture", "")}}]}
 
@@ -209,9 +226,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         p = job.params if job else None
         return {"id_task": -1 if job is None else job.name, "speculative": info["spec_type"] != "none",
                 "params": settings(p, job.n_max if job else None, job.n_min if job else None),
-                "next_token": {"has_next_token": job is not None, "has_new_line": False,
-                               "n_remain": -1 if p is None or p.max_tokens == -1 else p.max_tokens - st.generated_tokens,
-                               "n_decoded": st.generated_tokens if st else 0}}
+                "next_token": [{"has_next_token": job is not None, "has_new_line": False,  # a list, as llama-server's
+                                "n_remain": -1 if p is None or p.max_tokens == -1 else p.max_tokens - st.generated_tokens,
+                                "n_decoded": st.generated_tokens if st else 0}]}
 
     @app.get("/props")
     async def props(request: Request):
@@ -221,8 +238,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": e.ctx_size,
                                             "speculative": info["spec_type"] != "none", "is_processing": False,
                                             "params": settings(), "prompt": "",
-                                            "next_token": {"has_next_token": True, "has_new_line": False,
-                                                           "n_remain": -1, "n_decoded": 0}},
+                                            "next_token": [{"has_next_token": True, "has_new_line": False,
+                                                            "n_remain": -1, "n_decoded": 0}]},
             "total_slots": cfg.n_slots, "model_path": str(info["path"]), "chat_template": e.tokenizer.chat_template,
             "chat_template_caps": {}, "modalities": {"vision": False, "audio": False}, "build_info": fingerprint(),
             "model": info["model_id"], "n_ctx": e.ctx_size, "batched_forward": scheduler.batched,
@@ -233,6 +250,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     @app.get("/slots")
     async def slots(request: Request):
         guard(request)
+        if not cfg.slots_endpoint:
+            raise APIError(501, "This server does not support slots endpoint (started with --no-slots)",
+                           "not_supported_error")
         return scheduler.slots_info(describe)
 
     @app.post("/slots/{id_slot}")
@@ -266,7 +286,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     @app.get("/metrics")
     async def prometheus(request: Request):
         guard(request, need_model=False)
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST,
+                        headers={"Process-Start-Time-Unix": str(started)})  # llama-server's header
 
     # -- tokens and templates (llama-server) -----------------------------------------------------------
     @app.post("/tokenize")
@@ -308,15 +329,40 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         messages = render_history(chat_messages(req), req.messages)
         return with_tools_prompt(messages, spec) if spec is not None else messages
 
+    def chat_ids(req, body: dict) -> tuple[list[int], object]:
+        """A chat request's prompt ids (and its tools): rendered with the template, the generation
+        prompt or the continuation of a final assistant message as the request says."""
+        spec = parse_tools(body)
+        messages = chat_prompt(req, spec)
+        agp, cont = continuation(req)
+        try:
+            return info["engine"].tokenizer.encode_chat(messages, add_generation_prompt=agp, continue_final=cont), spec
+        except GemmaspecError as exc:
+            raise APIError(400, str(exc)) from None
+
     @app.post("/apply-template")
     async def apply_template(request: Request):
         guard(request)
         body = await json_body(request)
         req = validate(ChatRequest, body)
+        messages = chat_prompt(req, parse_tools(body))
+        agp, cont = continuation(req)
         try:
-            return {"prompt": info["engine"].tokenizer.apply_chat_template(chat_prompt(req, parse_tools(body)))}
+            return {"prompt": info["engine"].tokenizer.apply_chat_template(
+                messages, add_generation_prompt=agp, continue_final=cont)}
         except GemmaspecError as exc:
             raise APIError(400, str(exc)) from None
+
+    @app.post("/chat/completions/input_tokens")
+    @app.post("/v1/chat/completions/input_tokens")
+    async def chat_input_tokens(request: Request):
+        """llama-server's count of a chat request's prompt tokens, without generating."""
+        guard(request)
+        body = await json_body(request)
+        refuse_unsupported(body, chat=True)
+        req = validate(ChatRequest, body)
+        ids, _ = chat_ids(req, body)
+        return {"input_tokens": len(ids)}
 
     # -- generation ----------------------------------------------------------------------------------
     def params_for(req, max_tokens, default_max):
@@ -338,7 +384,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             raise APIError(400, f"logprobs must be in 0..20 (got {req.logprobs})")
         grammar = grammar_of(body)
         fmt = Formatter("completions", f"cmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, req.logprobs,
-                        _include_usage(req))
+                        _include_usage(req), timings_per_token=req.timings_per_token,
+                        verbose=verbose_formatter(req, params, ids))
         return await _generate(request, req, "completions", ids, params, req.logprobs, fmt, grammar=grammar)
 
     @app.post("/completion")
@@ -357,9 +404,13 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             raise APIError(400, f"id_slot must be -1 (any) or a slot in 0..{cfg.n_slots - 1} (got {req.id_slot})")
         n_max, n_min = spec_overrides(req, cfg)
         grammar = grammar_of(body)
+        if req.post_sampling_probs and grammar is not None:
+            raise APIError(400, f"post_sampling_probs cannot be combined with '{grammar.field}'")
         fmts = [NativeFormatter(info["model_id"], e.tokenizer, req.n_probs, req.return_tokens,
                                 {**settings(params, n_max, n_min), "n_probs": req.n_probs, "n_ctx": e.ctx_size,
-                                 "model": info["model_id"]}, e.tokenizer.decode(ids)) for ids in prompts]
+                                 "model": info["model_id"], "post_sampling_probs": req.post_sampling_probs,
+                                 "timings_per_token": req.timings_per_token},
+                                e.tokenizer.decode(ids), timings_per_token=req.timings_per_token) for ids in prompts]
         n_probs = req.n_probs if req.n_probs else None
         if len(prompts) == 1:
             return await _generate(request, req, "completion", prompts[0], params, n_probs, fmts[0],
@@ -399,12 +450,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         e = info["engine"]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = params_for(req, max_tokens, -1)
-        spec = parse_tools(body)
-        messages = chat_prompt(req, spec)
-        try:
-            ids = e.tokenizer.encode_chat(messages)
-        except GemmaspecError as exc:
-            raise APIError(400, str(exc)) from None
+        ids, spec = chat_ids(req, body)
         top = None
         if req.logprobs:
             top = req.top_logprobs or 0
@@ -418,8 +464,40 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 raise APIError(400, f"'tools' cannot be combined with '{grammar.field}' (unless tool_choice is none)")
             grammar = tools_grammar(spec)
         fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, top,
-                        _include_usage(req), tools=spec if spec is not None and spec.active else None)
+                        _include_usage(req), tools=spec if spec is not None and spec.active else None,
+                        timings_per_token=req.timings_per_token, verbose=verbose_formatter(req, params, ids))
         return await _generate(request, req, "chat", ids, params, top, fmt, grammar=grammar)
+
+    def continuation(req) -> tuple[bool, bool]:
+        """``(add_generation_prompt, continue_final)`` for a chat request, as llama-server decides:
+        a final assistant message is continued (prefilled: the reply goes on from its text) unless
+        ``continue_final_message: false``; ``continue_final_message: true`` with
+        ``add_generation_prompt: true`` is a 400."""
+        agp = True if req.add_generation_prompt is None else req.add_generation_prompt
+        cont = req.continue_final_message
+        last = req.messages[-1]
+        if cont is None and last.role == "assistant":
+            if len(req.messages) >= 2 and req.messages[-2].role == "assistant":
+                raise APIError(400, "Cannot have 2 or more assistant messages at the end of the list.")
+            cont, agp = True, False
+        if cont and agp:
+            raise APIError(400, "Cannot set both add_generation_prompt and continue_final_message to true.")
+        if cont and last.role != "assistant":
+            raise APIError(400, "continue_final_message needs a final assistant message to continue")
+        if cont and (last.model_extra or {}).get("tool_calls"):
+            raise APIError(400, "Cannot continue an assistant message that contains tool calls (tool_calls); "
+                                "send continue_final_message: false")
+        return agp, bool(cont)
+
+    def verbose_formatter(req, params: SamplingParams, ids: list[int]) -> NativeFormatter | None:
+        """The ``__verbose`` result's formatter (``--verbose`` or the request's ``verbose: true``)."""
+        if not (cfg.verbose or req.verbose):
+            return None
+        e = info["engine"]
+        n_max, n_min = spec_overrides(req, cfg)
+        return NativeFormatter(info["model_id"], e.tokenizer, 0, False,
+                               {**settings(params, n_max, n_min), "n_ctx": e.ctx_size, "model": info["model_id"]},
+                               e.tokenizer.decode(ids))
 
     def _include_usage(req) -> bool | None:
         opts = req.stream_options
@@ -464,7 +542,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
 
         name = getattr(fmt, "id", None) or f"cmpl-{uuid.uuid4().hex[:24]}"
         job = Job(ids, params, emit, n_max, n_min, logprobs, name=name, endpoint=kind, want_slot=want_slot,
-                  cache_prompt=req.cache_prompt, constraint=constraint)
+                  cache_prompt=req.cache_prompt, constraint=constraint,
+                  post_sampling=bool(getattr(req, "post_sampling_probs", False)),
+                  progress=req.return_progress and req.stream)
         try:
             scheduler.submit(job)
         except RuntimeError as exc:
@@ -492,6 +572,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 what, payload = await queue.get()
                 if what == "events":
                     events.extend(payload)
+                elif what == "progress":
+                    pass
                 elif what == "done":
                     return fmt.final(events, job) if kind == "completion" else fmt.whole(events, job)
                 elif what == "gone":
@@ -508,7 +590,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         held = [] if fmt.tools is not None else None  # events held back while the reply may be a tool call
         while True:
             what, payload = await queue.get()
-            if what == "events":
+            if what == "progress":
+                yield sse(fmt.progress_chunk(payload))
+            elif what == "events":
                 for ev in payload:
                     if held is not None:
                         held.append(ev)
@@ -516,10 +600,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                         if not start or start.startswith("{"):
                             continue
                         for e in held:  # plain text: stream it from here on
-                            yield sse(fmt.event_chunk(e))
+                            yield sse(fmt.event_chunk(e, job))
                         held = None
                         continue
-                    yield sse(fmt.event_chunk(ev))
+                    yield sse(fmt.event_chunk(ev, job))
             elif what == "done":
                 finish = None
                 if held is not None:
@@ -530,7 +614,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                         finish = "tool_calls"
                     else:
                         for e in held:
-                            yield sse(fmt.event_chunk(e))
+                            yield sse(fmt.event_chunk(e, job))
                 for c in fmt.final_chunks(job, finish):
                     yield sse(c)
                 yield "data: [DONE]\n\n"
@@ -543,7 +627,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         left = len(jobs)
         while left:
             i, (what, payload) = await queue.get()
-            if what == "events":
+            if what == "progress":
+                yield sse({**fmts[i].progress_chunk(payload, jobs[i]), "index": i})
+            elif what == "events":
                 for ev in payload:
                     yield sse({**fmts[i].event_chunk(ev, jobs[i]), "index": i})
             elif what == "done":
@@ -556,7 +642,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     async def _native_stream(queue, fmt: NativeFormatter, job: Job):
         while True:
             what, payload = await queue.get()
-            if what == "events":
+            if what == "progress":
+                yield sse(fmt.progress_chunk(payload, job))
+            elif what == "events":
                 for ev in payload:
                     yield sse(fmt.event_chunk(ev, job))
             elif what == "done":

@@ -28,7 +28,21 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8085, help="port (default 8085; 0 picks a free one)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API endpoints")
-    s.add_argument("-a", "--alias", default=None, help="model name clients use (default: the model's file name)")
+    s.add_argument("-a", "--alias", default=None,
+                   help="model name(s) clients use, comma-separated (default: the model's file name); /v1/models "
+                        "reports the alphabetically first as id and all as aliases")
+    s.add_argument("--tags", default=None, help="comma-separated tags /v1/models reports for the model")
+    s.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
+                   help="chat template instead of the model's: a name (" + ", ".join(TEMPLATES) + ") or Jinja text")
+    s.add_argument("--chat-template-file", default=None, metavar="FILE", help="chat template (Jinja) from a file")
+    s.add_argument("--slots", dest="slots_endpoint", action="store_true", default=True,
+                   help="answer GET /slots (the default)")
+    s.add_argument("--no-slots", dest="slots_endpoint", action="store_false", help="GET /slots answers 501")
+    s.add_argument("--no-ui", "--no-webui", dest="ui", action="store_false", default=True,
+                   help="no chat page: / answers 404")
+    s.add_argument("--verbose", action="store_true",
+                   help="every OpenAI response carries __verbose (llama-server's native result, with the rendered "
+                        "prompt)")
     s.add_argument("--allowed-hosts", action="append", default=[], metavar="NAMES",
                    help="Host names the server answers to besides IP addresses and localhost (comma-separated, "
                         "repeatable; '*' for any): a guard against DNS rebinding")
@@ -50,6 +64,57 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     add_spec(s, default=None,
              help_default="default ngram-simple; with -md: draft-mtp for a Gemma 4 target, else draft-simple")
     return s
+
+
+# llama-server's --chat-template names gemmaspec knows (Jinja of the same formats; a Gemma model's
+# vocabulary has none of the other formats' control tokens, so they are written as text)
+TEMPLATES = {
+    "gemma": None,  # the built-in Gemma turn format
+    "chatml": "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+              "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+    "llama3": "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+              "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}",
+}
+
+
+def chat_template_of(args) -> str | None:
+    """The Jinja text of ``--chat-template`` / ``--chat-template-file`` (None: the model's own).
+
+    Raises:
+        InputError: both given, an unknown name that is not Jinja, an unreadable file, a template
+            that does not parse.
+    """
+    name, path = args.chat_template, args.chat_template_file
+    if name is not None and path is not None:
+        raise InputError("give --chat-template or --chat-template-file, not both")
+    if path is not None:
+        try:
+            text = Path(path).read_text("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"--chat-template-file {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") \
+                from None
+    elif name is None:
+        return None
+    elif name in TEMPLATES:
+        if TEMPLATES[name] is None:
+            from ..tokenizer import GEMMA_CHAT_TEMPLATE
+
+            return GEMMA_CHAT_TEMPLATE
+        return TEMPLATES[name]
+    elif "{%" in name or "{{" in name:
+        text = name
+    else:
+        raise InputError(f"--chat-template {name}: unknown template name; use one of {', '.join(TEMPLATES)}, Jinja "
+                         "text, or --chat-template-file FILE")
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except jinja2.TemplateError as exc:
+        raise InputError(f"the chat template does not parse: {exc}") from None
+    return text
 
 
 def _check_readable(flag: str, path: str | None) -> None:
@@ -120,7 +185,9 @@ def serve(args) -> int:
                       ngram_min=args.spec_ngram_min, ctx_size=args.ctx_size, n_slots=args.parallel,
                       device=args.device, threads=args.threads, api_key=args.api_key, alias=args.alias,
                       defaults=defaults, n_predict=args.n_predict, allowed_hosts=hosts,
-                      cors_origins=split(args.cors_origin), slot_save_path=slot_dir)
+                      cors_origins=split(args.cors_origin), slot_save_path=slot_dir, verbose=args.verbose,
+                      slots_endpoint=args.slots_endpoint, ui=args.ui, tags=split([args.tags or ""]),
+                      chat_template=chat_template_of(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
