@@ -34,6 +34,13 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 
+def _strftime_now(fmt: str) -> str:
+    """Today's local date and time in ``fmt`` (``strftime``), for chat templates that write the date."""
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
+
+
 class GemmaTokenizer:
     """Text ↔ token ids for a Gemma model.
 
@@ -255,6 +262,7 @@ class GemmaTokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = _strftime_now  # as transformers gives templates (dates in system prompts)
         mark = "\ufdd2"
         if continue_final:
             if not messages or any(mark in m["content"] for m in messages):

@@ -43,8 +43,9 @@ class Job:
     Attributes:
         prompt_ids: prompt token ids (checked against the context by the caller).
         params: sampling parameters.
-        emit: called from the scheduler thread with ``("events", [Event, ...])``, then exactly one
-            of ``("done", job)`` or ``("error", (http_status, message))``; it must be thread-safe and
+        emit: called from the scheduler thread with ``("progress", {...})`` (only with
+            ``progress``) and ``("events", [Event, ...])``, then exactly one of ``("done", job)`` or
+            ``("error", (http_status, message))``; it must be thread-safe and
             must not block. A cancelled job gets nothing more.
         n_max, n_min: draft length (int or "auto") and minimum proposal length for this request.
         logprobs: None, or how many alternatives to report with each token's log-probability.
