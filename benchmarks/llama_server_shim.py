@@ -60,7 +60,7 @@ def translate(argv: list[str]) -> list[str]:
         a = argv[i]
         if a in UNSUPPORTED:
             refuse(f"gemmaspec does not do {UNSUPPORTED[a]} ({a})")
-        if a == "--chat-template" and argv[i + 1] not in ("gemma", "chatml", "llama3") or \
+        if a == "--chat-template" and argv[i + 1] not in ("gemma", "chatml", "llama3", "command-r") or \
                 a == "--chat-template-file" and not os.path.exists(argv[i + 1]):
             i += 2
         elif a in VALUE:

@@ -233,10 +233,14 @@ def test_model_aliases_and_tags(srv, oai):
 
 
 def test_slots_next_token_and_metrics_header_as_llama_server(srv):
-    _post(srv, "/completion", {"prompt": PROMPT, "n_predict": 3})
-    for slot in httpx.get(srv.url + "/slots").json():
+    _post(srv, "/completion", {"prompt": PROMPT, "n_predict": 3, "id_slot": 1})
+    slots = httpx.get(srv.url + "/slots").json()
+    assert slots[1]["params"]["n_predict"] == 3  # the last request's, as llama-server's task_prev
+    for slot in slots:
         assert slot["is_processing"] is False
-        assert slot["next_token"][0]["n_remain"] == -1 and slot["next_token"][0]["n_decoded"] == 0
+        assert ("params" in slot) == ("next_token" in slot) == (slot["requests_served"] > 0)
+        if "next_token" in slot:  # idle: the finished request's budget does not leak
+            assert slot["next_token"][0]["n_remain"] == -1 and slot["next_token"][0]["n_decoded"] == 0
     r = httpx.get(srv.url + "/metrics")
     import time
 
@@ -277,3 +281,22 @@ def test_no_slots_no_ui_verbose_and_chat_template_flags(tmp_path):
 def test_bad_chat_template_flags_are_one_line_errors(args, needle):
     r = run_cli("serve", "--port", "0", *args, timeout=120)
     assert r.returncode == 1 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name,want", [
+    ("chatml", "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+    ("llama3", "<bos><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|><|start_header_id|>user<|end_header_id|>"
+               "\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"),
+    ("command-r", "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>S<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi"
+                  "<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"),
+    ("gemma", "<bos><start_of_turn>user\nS\n\nHi<end_of_turn>\n<start_of_turn>model\n"),
+])
+def test_named_chat_templates(tokenizer, name, want):
+    from types import SimpleNamespace
+
+    from gemmaspec.server.main import chat_template_of
+
+    tok = type(tokenizer).__new__(type(tokenizer))
+    tok.__dict__.update(tokenizer.__dict__)
+    tok.chat_template = chat_template_of(SimpleNamespace(chat_template=name, chat_template_file=None))
+    assert tok.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]) == want

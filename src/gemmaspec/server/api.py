@@ -221,11 +221,14 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 "speculative.n_max": cfg.n_max if n_max is None else n_max,
                 "speculative.n_min": cfg.n_min if n_min is None else n_min, "speculative.p_min": cfg.p_min}
 
-    def describe(job) -> dict:
+    def describe(job, last=None) -> dict:
+        """A slot's llama-server fields: the running request's (``job``), or the last one's
+        parameters with an idle ``next_token`` (nothing remains, nothing decoded)."""
         st = job.stats if job else None
         p = job.params if job else None
-        return {"id_task": -1 if job is None else job.name, "speculative": info["spec_type"] != "none",
-                "params": settings(p, job.n_max if job else None, job.n_min if job else None),
+        task = job or last
+        return {"id_task": task.name, "speculative": info["spec_type"] != "none",
+                "params": settings(task.params, task.n_max, task.n_min),
                 "next_token": [{"has_next_token": job is not None, "has_new_line": False,  # a list, as llama-server's
                                 "n_remain": -1 if p is None or p.max_tokens == -1 else p.max_tokens - st.generated_tokens,
                                 "n_decoded": st.generated_tokens if st else 0}]}

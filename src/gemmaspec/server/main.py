@@ -75,6 +75,10 @@ TEMPLATES = {
     "llama3": "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
               "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
               "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}",
+    "command-r": "{% for message in messages %}{{ '<|START_OF_TURN_TOKEN|>' + {'system': '<|SYSTEM_TOKEN|>', 'user': "
+                 "'<|USER_TOKEN|>', 'assistant': '<|CHATBOT_TOKEN|>'}.get(message['role'], '<|USER_TOKEN|>') + "
+                 "message['content'] + '<|END_OF_TURN_TOKEN|>' }}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{% endif %}",
 }
 
 

@@ -99,6 +99,7 @@ class Slot:
     drafter: object
     job: Job | None = None
     served: int = 0  # requests completed in this slot
+    last: Job | None = None  # the last request it finished (llama-server's task_prev)
     cached: list = field(default_factory=list)  # the ids whose KV the cache holds (positions 0..)
 
 
@@ -222,8 +223,10 @@ class Scheduler:
             return sum(s.job is not None for s in self.slots)
 
     def slots_info(self, describe=None) -> list[dict]:
-        """One dict per slot: whether it is busy and with what (``/slots``); ``describe(job or None)``
-        adds fields (the server's llama-server ``params`` and ``next_token``)."""
+        """One dict per slot: whether it is busy and with what (``/slots``); ``describe(job, last)``
+        adds fields for a slot that runs a request (``job``) or has run one (``last``, job None): the
+        server's llama-server ``params`` and ``next_token``; a slot that never ran one has neither,
+        as in llama-server."""
         out = []
         with self._cond:
             for s in self.slots:
@@ -239,7 +242,7 @@ class Scheduler:
                     "draft_n": st.spec.drafted if st else 0,
                     "draft_n_accepted": st.spec.accepted if st else 0,
                     "requests_served": s.served,
-                    **(describe(j) if describe else {}),
+                    **(describe(j, s.last) if describe and (j or s.last) else {}),
                 })
         return out
 
@@ -382,6 +385,7 @@ class Scheduler:
         with self._cond:
             s.job = None
             s.served += 1
+            s.last = job
         st = job.stats
         if self.metrics is not None:
             self.metrics.record(job)
