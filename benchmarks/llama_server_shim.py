@@ -8,10 +8,11 @@ are not downloaded. Flags for things gemmaspec does not do exit at once with sta
 stderr saying which (``--embedding``, ``--reranking``, ``--lora``, ``--mmproj-url``, router mode with
 ``--models-dir`` or without a model, ``--tools``, MCP servers), so those tests fail at start for a
 stated reason; tuning flags with no gemmaspec meaning (batch sizes, GPU layers, flash attention,
-``--jinja``...) are dropped; ``--slots``, ``--no-slots``, ``--no-ui``, ``--verbose``, ``--alias``, ``--tags``
-are passed on, and so are ``--chat-template`` (a name gemmaspec knows, else dropped) and
-``--chat-template-file`` (when the file exists: the suite's ``models/templates`` are not extracted). ``--ctx-size`` is divided by ``--parallel`` (llama-server's
-context is shared by its slots, gemmaspec's ``-c`` is per slot).
+``--jinja``...) are dropped; ``--slots``, ``--no-slots``, ``--no-ui``, ``--verbose``, ``--alias``,
+``--tags`` are passed on, and so are ``--chat-template`` (a name gemmaspec knows, else dropped) and
+``--chat-template-file`` (when the file exists; the runner extracts llama.cpp's ``models/templates``).
+``--ctx-size`` is divided by ``--parallel`` (llama-server's context is shared by its slots,
+gemmaspec's ``-c`` is per slot).
 
     python benchmarks/llama_server_shim.py --port 8080 --hf-repo ggml-org/models --ctx-size 512 ...
 """
@@ -30,7 +31,8 @@ VALUE = {"--port": None, "--host": None, "--temp": None, "--seed": None, "--alia
          "--tags": None, "--chat-template": None, "--chat-template-file": None}
 # flags taking a value that gemmaspec ignores (the model is always the default one)
 DROP_VALUE = {"--model", "-m", "--hf-repo", "-hf", "--hf-file", "-hff", "--model-url", "--batch-size", "-b",
-              "--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-ctk", "-ctv", "-fa", "--grp-attn-n", "--grp-attn-w", "--reasoning-format", "--reasoning",
+              "--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-ctk", "-ctv", "-fa", "--grp-attn-n",
+              "--grp-attn-w", "--reasoning-format", "--reasoning",
               "--pooling", "--model-draft", "--cache-ram", "--sleep-idle-seconds", "--media-path",
               "--tools-runtime", "--spec-synth-len", "--spec-synth-rates", "--cache-reuse-hybrid",
               "--cache-reuse-hybrid-min-share", "--log-file", "--models-max", "--models-preset"}

@@ -408,7 +408,8 @@ def test_stream_options_include_usage(oai):
 
 @pytest.mark.parametrize("path,extra,field", [
     ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"n": 2}, "n = 1"),
+    ("/v1/chat/completions", {"n": 17}, "n must be in 1..16"),
+    ("/completion", {"n": 2}, "n = 1"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/chat/completions", {"response_format": {"type": "nonsense"}}, "response_format"),

@@ -245,6 +245,7 @@ def test_slots_next_token_and_metrics_header_as_llama_server(srv):
     import time
 
     assert 0 <= time.time() - int(r.headers["Process-Start-Time-Unix"]) < 3600
+    assert b"Process-Start-Time-Unix" in [k for k, _ in r.headers.raw]  # spelled as llama-server spells it
 
 
 def test_no_slots_no_ui_verbose_and_chat_template_flags(tmp_path):
@@ -300,3 +301,42 @@ def test_named_chat_templates(tokenizer, name, want):
     tok.__dict__.update(tokenizer.__dict__)
     tok.chat_template = chat_template_of(SimpleNamespace(chat_template=name, chat_template_file=None))
     assert tok.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]) == want
+
+
+# ---- n > 1 choices ----------------------------------------------------------------------------------------
+
+def test_n_choices_whole_and_streamed(srv):
+    body = {**CHAT, "max_tokens": 6, "temperature": 0.9, "seed": 7, "ignore_eos": True}
+    r = _post(srv, "/v1/chat/completions", {**body, "n": 3}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    texts = [c["message"]["content"] for c in r["choices"]]
+    singles = [_post(srv, "/v1/chat/completions", {**body, "seed": 7 + i}).json() for i in range(3)]
+    assert texts == [s["choices"][0]["message"]["content"] for s in singles]  # choice i = seed 7 + i
+    n_prompt = _post(srv, "/chat/completions/input_tokens", CHAT).json()["input_tokens"]
+    assert r["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 18, "total_tokens": n_prompt + 18}
+    greedy = _post(srv, "/v1/chat/completions", {**body, "temperature": 0, "n": 2}).json()["choices"]
+    assert greedy[0]["message"]["content"] == greedy[1]["message"]["content"]
+    comp = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0.9, "seed": 3, "ignore_eos": True, "n": 2}
+    whole = _post(srv, "/v1/completions", comp).json()
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,
+                      json={**comp, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+        lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == whole["choices"][i]["text"]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["length"]
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert usage == [whole["usage"]] and chunks[-1]["choices"] == [] and whole["usage"]["completion_tokens"] == 10
+    _err(_post(srv, "/v1/chat/completions", {**CHAT, "n": 2, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}), "n > 1")
+
+
+def test_response_fields_pick_the_result_fields(srv):
+    fields = ["content", "generation_settings/n_predict", "timings/predicted_n", "no/such"]
+    body = {"prompt": PROMPT, "n_predict": 3, "ignore_eos": True, "response_fields": fields}
+    r = _post(srv, "/completion", body).json()
+    assert set(r) == {"content", "generation_settings/n_predict", "timings/predicted_n"}
+    assert r["generation_settings/n_predict"] == 3 and r["timings/predicted_n"] == 3 and isinstance(r["content"], str)
+    assert "generation_settings" in _post(srv, "/completion", {**body, "response_fields": []}).json()

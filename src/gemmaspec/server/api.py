@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from ..sampling import SamplingParams
 from ..streaming import stop_matcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .scheduler import Job, Scheduler
-from .schema import (APIError, ChatRequest, chat_messages, CompletionRequest, Formatter, NativeCompletionRequest,
+from .schema import (MAX_CHOICES, APIError, ChatRequest, chat_messages, CompletionRequest, Formatter, NativeCompletionRequest,
                      NativeFormatter, completion_prompt, fingerprint, grammar_of, native_prompts, json_body, refuse_unsupported,
                      sampling_params, spec_overrides, sse, validate)
 from .security import MAX_BODY_BYTES, Guard, key_matches
@@ -289,8 +289,11 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     @app.get("/metrics")
     async def prometheus(request: Request):
         guard(request, need_model=False)
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST,
-                        headers={"Process-Start-Time-Unix": str(started)})  # llama-server's header
+        resp = Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        # llama-server's header, spelled as it spells it (clients that read headers into a plain dict
+        # look it up by that spelling; Starlette would lower-case it)
+        resp.raw_headers.append((b"Process-Start-Time-Unix", str(started).encode()))
+        return resp
 
     # -- tokens and templates (llama-server) -----------------------------------------------------------
     @app.post("/tokenize")
@@ -368,11 +371,11 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         return {"input_tokens": len(ids)}
 
     # -- generation ----------------------------------------------------------------------------------
-    def params_for(req, max_tokens, default_max):
+    def params_for(req, max_tokens, default_max, max_n=1):
         e = info["engine"]
         default = cfg.n_predict if cfg.n_predict is not None else default_max
         return sampling_params(req, max_tokens, e.ctx_size, default_max=default, defaults=cfg.defaults,
-                               tokenizer=e.tokenizer)
+                               tokenizer=e.tokenizer, max_n=max_n)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -381,15 +384,18 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         refuse_unsupported(body)
         req = validate(CompletionRequest, body)
         e = info["engine"]
-        params = params_for(req, req.max_tokens, 16)
+        params = params_for(req, req.max_tokens, 16, MAX_CHOICES)
         ids = completion_prompt(req.prompt, e)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError(400, f"logprobs must be in 0..20 (got {req.logprobs})")
         grammar = grammar_of(body)
-        fmt = Formatter("completions", f"cmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, req.logprobs,
-                        _include_usage(req), timings_per_token=req.timings_per_token,
-                        verbose=verbose_formatter(req, params, ids))
-        return await _generate(request, req, "completions", ids, params, req.logprobs, fmt, grammar=grammar)
+        rid, usage, verbose = f"cmpl-{uuid.uuid4().hex[:24]}", _include_usage(req), verbose_formatter(req, params, ids)
+        fmts = [Formatter("completions", rid, info["model_id"], e.tokenizer, req.logprobs, usage,
+                          timings_per_token=req.timings_per_token, verbose=verbose if i == 0 else None, index=i)
+                for i in range(req.n)]
+        if req.n > 1:
+            return await _generate_n(request, req, "completions", ids, params, req.logprobs, fmts, grammar)
+        return await _generate(request, req, "completions", ids, params, req.logprobs, fmts[0], grammar=grammar)
 
     @app.post("/completion")
     @app.post("/completions")
@@ -413,7 +419,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                                 {**settings(params, n_max, n_min), "n_probs": req.n_probs, "n_ctx": e.ctx_size,
                                  "model": info["model_id"], "post_sampling_probs": req.post_sampling_probs,
                                  "timings_per_token": req.timings_per_token},
-                                e.tokenizer.decode(ids), timings_per_token=req.timings_per_token) for ids in prompts]
+                                e.tokenizer.decode(ids), timings_per_token=req.timings_per_token,
+                                response_fields=req.response_fields) for ids in prompts]
         n_probs = req.n_probs if req.n_probs else None
         if len(prompts) == 1:
             return await _generate(request, req, "completion", prompts[0], params, n_probs, fmts[0],
@@ -452,7 +459,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         req = validate(ChatRequest, body)
         e = info["engine"]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = params_for(req, max_tokens, -1)
+        params = params_for(req, max_tokens, -1, MAX_CHOICES)
         ids, spec = chat_ids(req, body)
         top = None
         if req.logprobs:
@@ -466,10 +473,16 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             if grammar is not None:
                 raise APIError(400, f"'tools' cannot be combined with '{grammar.field}' (unless tool_choice is none)")
             grammar = tools_grammar(spec)
-        fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, top,
-                        _include_usage(req), tools=spec if spec is not None and spec.active else None,
-                        timings_per_token=req.timings_per_token, verbose=verbose_formatter(req, params, ids))
-        return await _generate(request, req, "chat", ids, params, top, fmt, grammar=grammar)
+        tools = spec if spec is not None and spec.active else None
+        if tools is not None and req.n > 1:
+            raise APIError(400, "n > 1 is not supported together with tools (one choice per tool-calling request)")
+        rid, usage, verbose = f"chatcmpl-{uuid.uuid4().hex[:24]}", _include_usage(req), verbose_formatter(req, params, ids)
+        fmts = [Formatter("chat", rid, info["model_id"], e.tokenizer, top, usage, tools=tools,
+                          timings_per_token=req.timings_per_token, verbose=verbose if i == 0 else None, index=i)
+                for i in range(req.n)]
+        if req.n > 1:
+            return await _generate_n(request, req, "chat", ids, params, top, fmts, grammar)
+        return await _generate(request, req, "chat", ids, params, top, fmts[0], grammar=grammar)
 
     def continuation(req) -> tuple[bool, bool]:
         """``(add_generation_prompt, continue_final)`` for a chat request, as llama-server decides:
@@ -586,6 +599,57 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         finally:
             watcher.cancel()
             scheduler.cancel(job)  # a no-op once the job is done
+
+    async def _generate_n(request: Request, req, kind: str, ids: list[int], params: SamplingParams, logprobs,
+                          fmts: list[Formatter], grammar):
+        """``n`` > 1 choices: one job each (in parallel as slots allow; a given seed S gives choice i
+        the seed S + i, so choices differ and repeat), merged into one response or one stream whose
+        chunks carry their choice's ``index``; usage counts the prompt once and every choice's tokens."""
+        each = [params if params.seed < 0 else replace(params, seed=params.seed + i) for i in range(len(fmts))]
+        if req.stream:
+            queue: asyncio.Queue = asyncio.Queue()
+            jobs: list[Job] = []
+            try:
+                for i, fmt in enumerate(fmts):
+                    jobs.append(await _submit(req, kind, ids, each[i], logprobs, fmt, queue, grammar=grammar, tag=i))
+            except BaseException:
+                for j in jobs:
+                    scheduler.cancel(j)
+                raise
+            return _JobStream(_multi_stream(queue, fmts, jobs), on_close=lambda: [scheduler.cancel(j) for j in jobs])
+        got = await asyncio.gather(*[_generate(request, req, kind, ids, each[i], logprobs, fmt, grammar=grammar)
+                                     for i, fmt in enumerate(fmts)], return_exceptions=True)
+        for r in got:
+            if isinstance(r, BaseException):
+                raise r
+            if isinstance(r, Response):  # the client left
+                return r
+        out = got[0]
+        out["choices"] = [r["choices"][0] for r in got]
+        prompt, done = out["usage"]["prompt_tokens"], sum(r["usage"]["completion_tokens"] for r in got)
+        out["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return out
+
+    async def _multi_stream(queue, fmts: list[Formatter], jobs: list[Job]):
+        if fmts[0].kind == "chat":
+            for f in fmts:
+                yield sse(f.first_chunk())
+        left = len(jobs)
+        while left:
+            i, (what, payload) = await queue.get()
+            if what == "progress":
+                yield sse(fmts[i].progress_chunk(payload))
+            elif what == "events":
+                for ev in payload:
+                    yield sse(fmts[i].event_chunk(ev, jobs[i]))
+            elif what == "done":
+                left -= 1
+                for c in fmts[i].final_chunks(jobs[i], usage_jobs=jobs if not left else []):
+                    yield sse(c)
+            else:
+                yield _sse_error(payload)
+                return
+        yield "data: [DONE]\n\n"
 
     async def _stream(queue, fmt: "Formatter", job: Job):
         if fmt.kind == "chat":

@@ -76,6 +76,7 @@ class NativeCompletionRequest(GenerationRequest):
     prompt: str | dict | list[int | str | dict | list[int | str]]
     n_probs: int = 0
     post_sampling_probs: bool = False
+    response_fields: list[str] | None = None
     return_tokens: bool = False
     id_slot: int = -1
 
@@ -215,16 +216,22 @@ def _logit_bias(value, vocab: int, tokenizer) -> tuple[tuple[int, float], ...]:
     return tuple(out.items())
 
 
+MAX_CHOICES = 16
+"""Most choices (``n``) an OpenAI request may ask for."""
+
+
 def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int, default_max: int,
-                    defaults: SamplingParams | None = None, tokenizer=None) -> SamplingParams:
+                    defaults: SamplingParams | None = None, tokenizer=None, max_n: int = 1) -> SamplingParams:
     """The request's :class:`SamplingParams`; unset fields take the server's defaults (``--temp``,
-    ``--seed``, ``-n``...). ``max_tokens`` -1 means until a stop or a full context.
+    ``--seed``, ``-n``...). ``max_tokens`` -1 means until a stop or a full context. ``max_n``: the most
+    choices (``n``) the endpoint takes.
 
     Raises:
         APIError: 400 naming the bad field.
     """
-    if req.n != 1:
-        raise APIError(400, f"only n = 1 is supported (got {req.n})")
+    if req.n != 1 and not (1 <= req.n <= max_n):
+        raise APIError(400, f"n must be in 1..{max_n} (got {req.n})" if max_n > 1 else
+                       f"only n = 1 is supported here (got {req.n})")
     d = defaults or SamplingParams()
     if max_tokens is None:
         max_tokens = req.n_predict
@@ -509,8 +516,9 @@ class Formatter:
 
     def __init__(self, kind: str, rid: str, model: str, tokenizer, logprobs: int | None,
                  include_usage: bool | None = None, tools=None, timings_per_token: bool = False,
-                 verbose: "NativeFormatter | None" = None):
+                 verbose: "NativeFormatter | None" = None, index: int = 0):
         self.kind, self.id, self.model, self.tok, self.logprobs = kind, rid, model, tokenizer, logprobs
+        self.index = index  # the choice's index (n > 1: one formatter per choice)
         self.tools = tools
         self.text_of = TokenText(tokenizer)
         self.include_usage = include_usage
@@ -554,10 +562,10 @@ class Formatter:
 
     def chunk(self, delta: dict | str, finish: str | None, logprobs=None, **extra) -> dict:
         if self.kind == "chat":
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = "text_completion"
         return self._base(obj, [choice], **extra)
 
@@ -599,16 +607,19 @@ class Formatter:
             out.append(self.chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}, None))
         return out
 
-    def final_chunks(self, job: Job, finish: str | None = None) -> list[dict]:
-        """The chunk with the finish reason (and ``timings``), then the usage chunk if asked for."""
+    def final_chunks(self, job: Job, finish: str | None = None, usage_jobs: list[Job] | None = None) -> list[dict]:
+        """The chunk with the finish reason (and ``timings``), then the usage chunk if asked for.
+        ``usage_jobs``: the jobs whose usage to report (n > 1: all choices', on the last one to
+        finish; ``[]``: no usage here, another choice reports it)."""
         finish = finish or FINISH.get(job.stats.stop_reason, "stop")
         delta = {} if self.kind == "chat" else ""
+        jobs = [job] if usage_jobs is None else usage_jobs
         if self.include_usage is None:
-            out = [self.chunk(delta, finish, usage=_usage(job))]
+            out = [self.chunk(delta, finish, **({"usage": usage_of(jobs)} if jobs else {}))]
         else:
             out = [self.chunk(delta, finish)]
-            if self.include_usage:
-                out.append(self._base(out[0]["object"], [], usage=_usage(job)))
+            if self.include_usage and jobs:
+                out.append(self._base(out[0]["object"], [], usage=usage_of(jobs)))
         out[-1]["timings"] = _timings(job)  # on the last chunk, as llama-server
         if self.verbose is not None:
             out[0]["__verbose"] = self.verbose.final([], job, content="".join(self.text), tokens=[])
@@ -622,11 +633,11 @@ class Formatter:
             calls = self.tool_calls(text, job)
             message = {"role": "assistant", "content": text} if calls is None else \
                 {"role": "assistant", "content": None, "tool_calls": calls}
-            choice = {"index": 0, "message": message, "logprobs": lp,
+            choice = {"index": self.index, "message": message, "logprobs": lp,
                       "finish_reason": finish if calls is None else "tool_calls"}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
             obj = "text_completion"
         out = self._base(obj, [choice], usage=_usage(job), timings=_timings(job))
         if self.verbose is not None:
@@ -646,11 +657,12 @@ class NativeFormatter:
     every streamed event."""
 
     def __init__(self, model: str, tokenizer, n_probs: int, return_tokens: bool, settings: dict, prompt: str,
-                 timings_per_token: bool = False):
+                 timings_per_token: bool = False, response_fields: list[str] | None = None):
         self.model, self.n_probs, self.return_tokens = model, n_probs, return_tokens
         self.text_of = TokenText(tokenizer)
         self.settings, self.prompt = settings, prompt
         self.timings_per_token = timings_per_token
+        self.response_fields = response_fields or None
         self.n_sent = 0  # tokens streamed so far
 
     def _probs(self, events) -> list[dict]:
@@ -697,13 +709,31 @@ class NativeFormatter:
         out["has_new_line"] = "\n" in out["content"]
         if self.n_probs and content is None:
             out["completion_probabilities"] = self._probs(events)
+        if self.response_fields:  # llama-server's: only these fields, nested ones by path ("a/b")
+            out = {path: v for path, v in ((p, _at_path(out, p)) for p in self.response_fields) if v is not _MISSING}
         return out
 
 
+_MISSING = object()
+
+
+def _at_path(obj, path: str):
+    """The value at ``a/b/c`` in nested dicts, or ``_MISSING``."""
+    for key in path.split("/"):
+        if not isinstance(obj, dict) or key not in obj:
+            return _MISSING
+        obj = obj[key]
+    return obj
+
+
 def _usage(job: Job) -> dict:
-    st = job.stats
-    return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.generated_tokens,
-            "total_tokens": st.prompt_tokens + st.generated_tokens}
+    return usage_of([job])
+
+
+def usage_of(jobs: list[Job]) -> dict:
+    """OpenAI's ``usage`` for the choices of one request (n > 1: the prompt counted once)."""
+    prompt, done = jobs[0].stats.prompt_tokens, sum(j.stats.generated_tokens for j in jobs)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
 def _progress_timings(progress: dict) -> dict:
