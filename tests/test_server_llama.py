@@ -340,3 +340,18 @@ def test_response_fields_pick_the_result_fields(srv):
     assert set(r) == {"content", "generation_settings/n_predict", "timings/predicted_n"}
     assert r["generation_settings/n_predict"] == 3 and r["timings/predicted_n"] == 3 and isinstance(r["content"], str)
     assert "generation_settings" in _post(srv, "/completion", {**body, "response_fields": []}).json()
+
+
+def test_chat_templates_get_transformers_and_llama_cpp_extras(tokenizer):
+    """{% break %}, {% generation %}, strftime_now (transformers) and date_string / datetime
+    (llama.cpp): what llama.cpp's own model templates use (69 of the 70 in its models/templates render)."""
+    import datetime
+
+    tok = type(tokenizer).__new__(type(tokenizer))
+    tok.__dict__.update(tokenizer.__dict__)
+    tok.chat_template = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{% generation %}"
+                         "{{ m['content'] }}{% endgeneration %}{% endfor %}|{{ date_string }}|{{ datetime }}|"
+                         "{{ strftime_now('%Y') }}")
+    today = datetime.date.today()
+    got = tok.apply_chat_template([{"role": "user", "content": "A"}, {"role": "user", "content": "B"}])
+    assert got == f"A|{today.strftime('%d %b %Y')}|{today.strftime('%b %d %Y')}|{today.year}"

@@ -34,6 +34,26 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 
+def _generation_extension():
+    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks the assistant's tokens for
+    training masks): rendered as its body."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
+
+
+TEMPLATE_EXTENSIONS = ["jinja2.ext.loopcontrols", _generation_extension()]
+"""Jinja extensions chat templates get, as transformers gives them: ``{% break %}`` /
+``{% continue %}`` and ``{% generation %}``."""
+
+
 def _strftime_now(fmt: str) -> str:
     """Today's local date and time in ``fmt`` (``strftime``), for chat templates that write the date."""
     import datetime
@@ -260,9 +280,11 @@ class GemmaTokenizer:
         def raise_exception(msg):
             raise InputError(f"chat template: {msg}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=TEMPLATE_EXTENSIONS)
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = _strftime_now  # as transformers gives templates (dates in system prompts)
+        # templates may also use {% break %} / {% continue %} (transformers enables loopcontrols) and
+        # llama.cpp's date_string and datetime variables (today, "%d %b %Y" and "%b %d %Y")
         mark = "\ufdd2"
         if continue_final:
             if not messages or any(mark in m["content"] for m in messages):
@@ -271,9 +293,13 @@ class GemmaTokenizer:
             messages = [*messages[:-1], {**messages[-1], "content": mark}]
             add_generation_prompt = False
         try:
+            import datetime
+
+            now = datetime.datetime.now()
             text = env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.id_to_token(self.bos_id), eos_token=self.id_to_token(self.eos_id))
+                bos_token=self.id_to_token(self.bos_id), eos_token=self.id_to_token(self.eos_id),
+                date_string=now.strftime("%d %b %Y"), datetime=now.strftime("%b %d %Y"))  # as llama.cpp gives them
         except jinja2.TemplateError as exc:
             raise InputError(f"chat template failed: {exc}") from None
         if continue_final:

@@ -115,7 +115,9 @@ def chat_template_of(args) -> str | None:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
-        ImmutableSandboxedEnvironment().parse(text)
+        from ..tokenizer import TEMPLATE_EXTENSIONS
+
+        ImmutableSandboxedEnvironment(extensions=TEMPLATE_EXTENSIONS).parse(text)
     except jinja2.TemplateError as exc:
         raise InputError(f"the chat template does not parse: {exc}") from None
     return text
