@@ -11,6 +11,7 @@ stated reason; tuning flags with no gemmaspec meaning (batch sizes, GPU layers, 
 ``--jinja``...) are dropped; ``--slots``, ``--no-slots``, ``--no-ui``, ``--verbose``, ``--alias``,
 ``--tags`` are passed on, and so are ``--chat-template`` (a name gemmaspec knows, else dropped) and
 ``--chat-template-file`` (when the file exists; the runner extracts llama.cpp's ``models/templates``).
+Without ``--metrics`` the shim passes ``--no-metrics`` (llama-server's ``/metrics`` is opt-in).
 ``--ctx-size`` is divided by ``--parallel`` (llama-server's context is shared by its slots,
 gemmaspec's ``-c`` is per slot).
 
@@ -78,6 +79,8 @@ def translate(argv: list[str]) -> list[str]:
             i += 1
         else:
             refuse(f"unknown llama-server flag {a}")
+    if "--metrics" not in argv:  # llama-server's /metrics is off unless asked for; gemmaspec's is on
+        out.append("--no-metrics")
     if not has_model:
         refuse(f"gemmaspec does not do {UNSUPPORTED['--models-dir']} (no model given)")
     # llama-server's --ctx-size is shared by its slots (each gets ctx / parallel, unless --kv-unified);

@@ -250,10 +250,12 @@ def test_slots_next_token_and_metrics_header_as_llama_server(srv):
 
 def test_no_slots_no_ui_verbose_and_chat_template_flags(tmp_path):
     s = ServerProcess(tmp_path, "-np", "1", "-c", "256", "--no-slots", "--no-ui", "--verbose", "--chat-template",
-                      "chatml")
+                      "chatml", "--no-metrics")
     try:
         r = httpx.get(s.url + "/slots")
         assert r.status_code == 501 and "--no-slots" in r.json()["error"]["message"]
+        r = httpx.get(s.url + "/metrics")
+        assert r.status_code == 501 and "--no-metrics" in r.json()["error"]["message"]
         assert httpx.get(s.url + "/").status_code == 404 and httpx.get(s.url + "/health").status_code == 200
         prompt = httpx.post(s.url + "/apply-template", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
         assert prompt["prompt"] == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

@@ -55,7 +55,8 @@ class ServeConfig:
     model's names, comma-separated (``/v1/models`` reports the alphabetically first as ``id`` and all
     as ``aliases``, with ``tags``, as llama-server). ``verbose`` (``--verbose``): every OpenAI response
     carries ``__verbose``; ``slots_endpoint`` False (``--no-slots``): ``GET /slots`` answers 501;
-    ``ui`` False (``--no-ui``): ``/`` answers 404. ``chat_template``: Jinja text replacing the model's
+    ``metrics_endpoint`` False (``--no-metrics``): ``GET /metrics`` answers 501; ``ui`` False
+    (``--no-ui``): ``/`` answers 404. ``chat_template``: Jinja text replacing the model's
     template (``--chat-template``, ``--chat-template-file``).
     """
 
@@ -81,6 +82,7 @@ class ServeConfig:
     slot_save_path: str | None = None
     verbose: bool = False
     slots_endpoint: bool = True
+    metrics_endpoint: bool = True
     ui: bool = True
     tags: tuple[str, ...] = ()
     chat_template: str | None = None
@@ -289,6 +291,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     @app.get("/metrics")
     async def prometheus(request: Request):
         guard(request, need_model=False)
+        if not cfg.metrics_endpoint:
+            raise APIError(501, "This server does not support metrics endpoint (started with --no-metrics)",
+                           "not_supported_error")
         resp = Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
         # llama-server's header, spelled as it spells it (clients that read headers into a plain dict
         # look it up by that spelling; Starlette would lower-case it)

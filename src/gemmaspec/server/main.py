@@ -38,6 +38,9 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     s.add_argument("--slots", dest="slots_endpoint", action="store_true", default=True,
                    help="answer GET /slots (the default)")
     s.add_argument("--no-slots", dest="slots_endpoint", action="store_false", help="GET /slots answers 501")
+    s.add_argument("--metrics", dest="metrics", action="store_true", default=True,
+                   help="answer GET /metrics (the default; llama-server's flag to enable it)")
+    s.add_argument("--no-metrics", dest="metrics", action="store_false", help="GET /metrics answers 501")
     s.add_argument("--no-ui", "--no-webui", dest="ui", action="store_false", default=True,
                    help="no chat page: / answers 404")
     s.add_argument("--verbose", action="store_true",
@@ -192,7 +195,7 @@ def serve(args) -> int:
                       device=args.device, threads=args.threads, api_key=args.api_key, alias=args.alias,
                       defaults=defaults, n_predict=args.n_predict, allowed_hosts=hosts,
                       cors_origins=split(args.cors_origin), slot_save_path=slot_dir, verbose=args.verbose,
-                      slots_endpoint=args.slots_endpoint, ui=args.ui, tags=split([args.tags or ""]),
+                      slots_endpoint=args.slots_endpoint, metrics_endpoint=args.metrics, ui=args.ui, tags=split([args.tags or ""]),
                       chat_template=chat_template_of(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
