@@ -357,3 +357,23 @@ def test_chat_templates_get_transformers_and_llama_cpp_extras(tokenizer):
     today = datetime.date.today()
     got = tok.apply_chat_template([{"role": "user", "content": "A"}, {"role": "user", "content": "B"}])
     assert got == f"A|{today.strftime('%d %b %Y')}|{today.strftime('%b %d %Y')}|{today.year}"
+
+
+def test_several_host_addresses_share_the_port(tmp_path):
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    s = ServerProcess(tmp_path, "-np", "1", "-c", "256", "--host", "127.0.0.1,::1")
+    try:
+        port = s.url.rsplit(":", 1)[1]
+        assert f"http://[::1]:{port}" in s.log()
+        for url in (s.url, f"http://[::1]:{port}"):
+            assert httpx.get(url + "/health").status_code == 200
+            r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        s.close()

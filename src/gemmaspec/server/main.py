@@ -25,7 +25,8 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     add_common(s)
     s.add_argument("-np", "--parallel", type=int, default=4,
                    help="slots: requests served at once, batched together (default 4); more wait in a queue")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1); several, comma-separated, all on the same port")
     s.add_argument("--port", type=int, default=8085, help="port (default 8085; 0 picks a free one)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API endpoints")
     s.add_argument("-a", "--alias", default=None,
@@ -188,7 +189,10 @@ def serve(args) -> int:
     split = lambda vals: tuple(x.strip() for v in vals for x in v.split(",") if x.strip())  # noqa: E731
     from .security import host_names
 
-    hosts = host_names(args.host, split(args.allowed_hosts))  # IP literals and localhost always pass
+    binds = [h.strip().strip("[]") for h in args.host.split(",") if h.strip()]
+    if not binds:
+        raise InputError("--host needs an address")
+    hosts = tuple(n for b in binds for n in host_names(b, split(args.allowed_hosts)))  # IPs, localhost pass
     cfg = ServeConfig(model=args.model, draft_model=args.model_draft, spec_type=args.spec_type, n_max=n_max,
                       n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, ngram_size=args.spec_ngram_size,
                       ngram_min=args.spec_ngram_min, ctx_size=args.ctx_size, n_slots=args.parallel,
@@ -198,17 +202,24 @@ def serve(args) -> int:
                       slots_endpoint=args.slots_endpoint, metrics_endpoint=args.metrics, ui=args.ui, tags=split([args.tags or ""]),
                       chat_template=chat_template_of(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as exc:
-        sock.close()
-        raise InputError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
-                         "pick another --port or --host") from None
-    sock.listen(128)
-    port = sock.getsockname()[1]
+    socks: list[socket.socket] = []
+    port = args.port
+    for bind in binds:  # the first fixes the port (--port 0: a free one), the others share it
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            sock.bind((bind, port))
+        except OSError as exc:
+            for s_ in [*socks, sock]:
+                s_.close()
+            raise InputError(f"cannot listen on {bind}:{port} ({exc.strerror or exc}); "
+                             "pick another --port or --host") from None
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        socks.append(sock)
     failure: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -220,15 +231,16 @@ def serve(args) -> int:
     app = create_app(cfg, on_load_error=load_failed)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3)
     server = uvicorn.Server(config)
-    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    urls = ", ".join(f"http://{f'[{b}]' if ':' in b else b}:{port}" for b in binds)
     if est is not None:
         print(est.line(), file=sys.stderr)
-    print(f"gemmaspec serve: listening on http://{host}:{port} (loading the model; /health answers 503 until "
+    print(f"gemmaspec serve: listening on {urls} (loading the model; /health answers 503 until "
           "it is ready)", file=sys.stderr, flush=True)
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=socks)
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
     if failure:
         exc = failure[0]
         from ..errors import GemmaspecError
