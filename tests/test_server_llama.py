@@ -377,3 +377,12 @@ def test_several_host_addresses_share_the_port(tmp_path):
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     finally:
         s.close()
+
+
+def test_id_slot_on_the_openai_endpoints(srv):
+    for path, body in (("/v1/chat/completions", {**CHAT, "max_tokens": 2}), ("/v1/completions", {"prompt": PROMPT})):
+        before = {s["id"]: s["requests_served"] for s in httpx.get(srv.url + "/slots").json()}
+        assert _post(srv, path, {**body, "id_slot": 1, "n": 2}).status_code == 200
+        after = {s["id"]: s["requests_served"] for s in httpx.get(srv.url + "/slots").json()}
+        assert after[1] - before[1] == 2 and after[0] == before[0]  # both choices ran in slot 1
+        _err(_post(srv, path, {**body, "id_slot": 2}), "id_slot")

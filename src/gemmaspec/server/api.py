@@ -398,9 +398,11 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         fmts = [Formatter("completions", rid, info["model_id"], e.tokenizer, req.logprobs, usage,
                           timings_per_token=req.timings_per_token, verbose=verbose if i == 0 else None, index=i)
                 for i in range(req.n)]
+        check_slot(req)
         if req.n > 1:
             return await _generate_n(request, req, "completions", ids, params, req.logprobs, fmts, grammar)
-        return await _generate(request, req, "completions", ids, params, req.logprobs, fmts[0], grammar=grammar)
+        return await _generate(request, req, "completions", ids, params, req.logprobs, fmts[0], want_slot=req.id_slot,
+                               grammar=grammar)
 
     @app.post("/completion")
     @app.post("/completions")
@@ -414,8 +416,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         prompts = native_prompts(req.prompt, e)
         if not 0 <= req.n_probs <= 20:
             raise APIError(400, f"n_probs must be in 0..20 (got {req.n_probs})")
-        if not -1 <= req.id_slot < cfg.n_slots:
-            raise APIError(400, f"id_slot must be -1 (any) or a slot in 0..{cfg.n_slots - 1} (got {req.id_slot})")
+        check_slot(req)
         n_max, n_min = spec_overrides(req, cfg)
         grammar = grammar_of(body)
         if req.post_sampling_probs and grammar is not None:
@@ -485,9 +486,14 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         fmts = [Formatter("chat", rid, info["model_id"], e.tokenizer, top, usage, tools=tools,
                           timings_per_token=req.timings_per_token, verbose=verbose if i == 0 else None, index=i)
                 for i in range(req.n)]
+        check_slot(req)
         if req.n > 1:
             return await _generate_n(request, req, "chat", ids, params, top, fmts, grammar)
-        return await _generate(request, req, "chat", ids, params, top, fmts[0], grammar=grammar)
+        return await _generate(request, req, "chat", ids, params, top, fmts[0], want_slot=req.id_slot, grammar=grammar)
+
+    def check_slot(req) -> None:
+        if not -1 <= req.id_slot < cfg.n_slots:
+            raise APIError(400, f"id_slot must be -1 (any) or a slot in 0..{cfg.n_slots - 1} (got {req.id_slot})")
 
     def continuation(req) -> tuple[bool, bool]:
         """``(add_generation_prompt, continue_final)`` for a chat request, as llama-server decides:
@@ -616,14 +622,15 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             jobs: list[Job] = []
             try:
                 for i, fmt in enumerate(fmts):
-                    jobs.append(await _submit(req, kind, ids, each[i], logprobs, fmt, queue, grammar=grammar, tag=i))
+                    jobs.append(await _submit(req, kind, ids, each[i], logprobs, fmt, queue, req.id_slot, grammar=grammar,
+                                              tag=i))
             except BaseException:
                 for j in jobs:
                     scheduler.cancel(j)
                 raise
             return _JobStream(_multi_stream(queue, fmts, jobs), on_close=lambda: [scheduler.cancel(j) for j in jobs])
-        got = await asyncio.gather(*[_generate(request, req, kind, ids, each[i], logprobs, fmt, grammar=grammar)
-                                     for i, fmt in enumerate(fmts)], return_exceptions=True)
+        got = await asyncio.gather(*[_generate(request, req, kind, ids, each[i], logprobs, fmt, want_slot=req.id_slot,
+                                               grammar=grammar) for i, fmt in enumerate(fmts)], return_exceptions=True)
         for r in got:
             if isinstance(r, BaseException):
                 raise r

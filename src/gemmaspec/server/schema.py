@@ -63,6 +63,7 @@ class GenerationRequest(BaseModel):
     timings_per_token: bool = False  # llama-server's: timings in every streamed chunk
     return_progress: bool = False  # llama-server's: prompt-processing progress events in a stream
     verbose: bool = False  # llama-server's: the native result under "__verbose" (OpenAI endpoints)
+    id_slot: int = -1  # llama-server's: run in this slot (-1: any)
 
 
 class CompletionRequest(GenerationRequest):
@@ -78,7 +79,6 @@ class NativeCompletionRequest(GenerationRequest):
     post_sampling_probs: bool = False
     response_fields: list[str] | None = None
     return_tokens: bool = False
-    id_slot: int = -1
 
 
 class ChatMessage(BaseModel):
