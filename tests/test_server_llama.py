@@ -248,6 +248,21 @@ def test_slots_next_token_and_metrics_header_as_llama_server(srv):
     assert b"Process-Start-Time-Unix" in [k for k, _ in r.headers.raw]  # spelled as llama-server spells it
 
 
+def _llama_metrics(srv) -> dict[str, float]:
+    return {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in httpx.get(srv.url + "/metrics").text.splitlines()
+            if ln.startswith("llamacpp:") and "{" not in ln}
+
+
+def test_prompt_tokens_cached_are_counted_apart(srv):
+    before = _llama_metrics(srv)
+    got = [_post(srv, "/completion", {"prompt": LONG, "n_predict": 2, "id_slot": 0}).json()["timings"] for _ in range(2)]
+    after = _llama_metrics(srv)
+    assert got[1]["cache_n"] > 0
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    assert d["llamacpp:prompt_tokens_total"] == sum(t["prompt_n"] for t in got)
+    assert d["llamacpp:prompt_tokens_cached_total"] == sum(t["cache_n"] for t in got)
+
+
 def test_no_slots_no_ui_verbose_and_chat_template_flags(tmp_path):
     s = ServerProcess(tmp_path, "-np", "1", "-c", "256", "--no-slots", "--no-ui", "--verbose", "--chat-template",
                       "chatml", "--no-metrics")

@@ -10,7 +10,8 @@ Counters (Prometheus adds ``_total``): ``gemmaspec_requests_total{endpoint, fini
 token, queueing included), ``gemmaspec_forward_batch_size`` (requests sharing each decode forward).
 
 The same figures under llama-server's names too, so its dashboards work: ``llamacpp:prompt_tokens_total``,
-``llamacpp:prompt_seconds_total``, ``llamacpp:tokens_predicted_total``,
+``llamacpp:prompt_tokens_cached_total`` (reused from a slot's cache), ``llamacpp:prompt_seconds_total``,
+``llamacpp:tokens_predicted_total``,
 ``llamacpp:tokens_predicted_seconds_total``, ``llamacpp:prompt_tokens_seconds`` and
 ``llamacpp:predicted_tokens_seconds`` (average throughputs), ``llamacpp:requests_processing``,
 ``llamacpp:requests_deferred``, ``llamacpp:n_decode_total`` (target forwards),
@@ -47,6 +48,8 @@ class Metrics:
         Gauge("gemmaspec_requests_waiting", "Requests queued for a slot", registry=r).set_function(waiting)
         # llama-server's names
         self.l_prompt = Counter("llamacpp:prompt_tokens", "Number of prompt tokens processed", registry=r)
+        self.l_prompt_cached = Counter("llamacpp:prompt_tokens_cached",
+                                       "Number of prompt tokens reused from a slot's cache", registry=r)
         self.l_prompt_s = Counter("llamacpp:prompt_seconds", "Prompt process time in seconds", registry=r)
         self.l_pred = Counter("llamacpp:tokens_predicted", "Number of generation tokens processed", registry=r)
         self.l_pred_s = Counter("llamacpp:tokens_predicted_seconds", "Predict process time in seconds", registry=r)
@@ -93,6 +96,7 @@ class Metrics:
                                 ("pred", self.l_pred, st.generated_tokens), ("pred_s", self.l_pred_s, st.decode_ms / 1e3)):
             counter.inc(v)
             sm[key] += v
+        self.l_prompt_cached.inc(job.cache_n)
         self.l_drafts.inc(st.spec.steps)
         self.l_draft_tokens.inc(st.spec.drafted)
         self.l_accepted.inc(st.spec.accepted)
