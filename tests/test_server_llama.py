@@ -261,6 +261,9 @@ def test_prompt_tokens_cached_are_counted_apart(srv):
     d = {k: after[k] - before.get(k, 0) for k in after}
     assert d["llamacpp:prompt_tokens_total"] == sum(t["prompt_n"] for t in got)
     assert d["llamacpp:prompt_tokens_cached_total"] == sum(t["cache_n"] for t in got)
+    text = httpx.get(srv.url + "/metrics").text
+    assert "# TYPE llamacpp:n_tokens_max counter" in text
+    assert after["llamacpp:n_tokens_max"] >= got[0]["prompt_n"] + got[0]["cache_n"] + 2
 
 
 def test_no_slots_no_ui_verbose_and_chat_template_flags(tmp_path):

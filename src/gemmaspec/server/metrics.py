@@ -14,7 +14,8 @@ The same figures under llama-server's names too, so its dashboards work: ``llama
 ``llamacpp:tokens_predicted_total``,
 ``llamacpp:tokens_predicted_seconds_total``, ``llamacpp:prompt_tokens_seconds`` and
 ``llamacpp:predicted_tokens_seconds`` (average throughputs), ``llamacpp:requests_processing``,
-``llamacpp:requests_deferred``, ``llamacpp:n_decode_total`` (target forwards),
+``llamacpp:requests_deferred``, ``llamacpp:n_decode_total`` (target forwards), ``llamacpp:n_tokens_max``
+(the longest sequence seen, prompt + generated),
 ``llamacpp:n_busy_slots_per_decode`` and ``llamacpp:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total``,
 ``llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position}``.
 """
@@ -60,6 +61,7 @@ class Metrics:
         self.l_accepted_pos = Counter("llamacpp:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position", ["position"], registry=r)
         self._busy = self._decodes = 0
+        self.n_tokens_max = 0  # longest sequence seen (prompt + generated), llama-server's n_tokens_max
         self._sums = {"prompt": 0.0, "prompt_s": 0.0, "pred": 0.0, "pred_s": 0.0}
         sm = self._sums
         Gauge("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s", registry=r).set_function(
@@ -97,6 +99,7 @@ class Metrics:
             counter.inc(v)
             sm[key] += v
         self.l_prompt_cached.inc(job.cache_n)
+        self.n_tokens_max = max(self.n_tokens_max, st.prompt_tokens + st.generated_tokens)
         self.l_drafts.inc(st.spec.steps)
         self.l_draft_tokens.inc(st.spec.drafted)
         self.l_accepted.inc(st.spec.accepted)
@@ -107,5 +110,9 @@ class Metrics:
         self.errors.labels(endpoint).inc()
 
     def exposition(self) -> bytes:
-        """The text format Prometheus scrapes."""
-        return generate_latest(self.registry)
+        """The text format Prometheus scrapes (``llamacpp:n_tokens_max`` is written by hand: llama-server
+        types it a counter without the ``_total`` suffix, which prometheus_client always adds)."""
+        return generate_latest(self.registry) + (
+            "# HELP llamacpp:n_tokens_max Largest observed sequence length (prompt + generation)\n"
+            "# TYPE llamacpp:n_tokens_max counter\n"
+            f"llamacpp:n_tokens_max {float(self.n_tokens_max)}\n").encode()
