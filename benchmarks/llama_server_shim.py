@@ -8,8 +8,12 @@ are not downloaded. Flags for things gemmaspec does not do exit at once with sta
 stderr saying which (``--embedding``, ``--reranking``, ``--lora``, ``--mmproj-url``, router mode with
 ``--models-dir`` or without a model, ``--tools``, MCP servers), so those tests fail at start for a
 stated reason; tuning flags with no gemmaspec meaning (batch sizes, GPU layers, flash attention,
-``--jinja``, ``--slots``...) are dropped. ``--ctx-size`` is divided by ``--parallel`` (llama-server's
-context is shared by its slots, gemmaspec's ``-c`` is per slot).
+``--jinja``...) are dropped; ``--slots``, ``--no-slots``, ``--no-ui``, ``--verbose``, ``--alias``,
+``--tags`` are passed on, and so are ``--chat-template`` (a name gemmaspec knows, else dropped) and
+``--chat-template-file`` (when the file exists; the runner extracts llama.cpp's ``models/templates``).
+Without ``--metrics`` the shim passes ``--no-metrics`` (llama-server's ``/metrics`` is opt-in).
+``--ctx-size`` is divided by ``--parallel`` (llama-server's context is shared by its slots,
+gemmaspec's ``-c`` is per slot).
 
     python benchmarks/llama_server_shim.py --port 8080 --hf-repo ggml-org/models --ctx-size 512 ...
 """
@@ -24,16 +28,18 @@ VALUE = {"--port": None, "--host": None, "--temp": None, "--seed": None, "--alia
          "--ctx-size": "-c", "-c": "-c", "--parallel": "-np", "-np": "-np", "--n-predict": "-n", "-n": "-n",
          "--threads": "-t", "-t": "-t", "--api-key": None, "--slot-save-path": None, "--spec-type": None,
          "--spec-draft-n-max": None, "--spec-draft-n-min": None, "--cors-origins": "--cors-origin",
-         "--top-k": None, "--top-p": None, "--min-p": None, "--repeat-penalty": None}
+         "--top-k": None, "--top-p": None, "--min-p": None, "--repeat-penalty": None,
+         "--tags": None, "--chat-template": None, "--chat-template-file": None}
 # flags taking a value that gemmaspec ignores (the model is always the default one)
 DROP_VALUE = {"--model", "-m", "--hf-repo", "-hf", "--hf-file", "-hff", "--model-url", "--batch-size", "-b",
-              "--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-ctk", "-ctv", "-fa", "--chat-template",
-              "--chat-template-file", "--grp-attn-n", "--grp-attn-w", "--reasoning-format", "--reasoning",
-              "--pooling", "--tags", "--model-draft", "--cache-ram", "--sleep-idle-seconds", "--media-path",
+              "--ubatch-size", "-ub", "--n-gpu-layers", "-ngl", "-ctk", "-ctv", "-fa", "--grp-attn-n",
+              "--grp-attn-w", "--reasoning-format", "--reasoning",
+              "--pooling", "--model-draft", "--cache-ram", "--sleep-idle-seconds", "--media-path",
               "--tools-runtime", "--spec-synth-len", "--spec-synth-rates", "--cache-reuse-hybrid",
               "--cache-reuse-hybrid-min-share", "--log-file", "--models-max", "--models-preset"}
-DROP_FLAG = {"--offline", "--cont-batching", "--metrics", "--kv-unified", "--swa-full", "--slots", "--no-slots",
-             "--verbose", "--context-shift", "--no-ui", "--no-models-autoload", "--jinja", "--no-jinja",
+FLAG = {"--slots", "--no-slots", "--verbose", "--no-ui"}  # passed on as they are
+DROP_FLAG = {"--offline", "--cont-batching", "--metrics", "--kv-unified", "--swa-full",
+             "--context-shift", "--no-models-autoload", "--jinja", "--no-jinja",
              "--no-mmproj", "--no-cache-idle-slots", "--ui-mcp-proxy", "--backend_sampling"}
 UNSUPPORTED = {"--embedding": "embeddings", "--embeddings": "embeddings", "--reranking": "reranking",
                "--lora": "LoRA adapters", "--mmproj-url": "images (multimodal projector)",
@@ -57,16 +63,24 @@ def translate(argv: list[str]) -> list[str]:
         a = argv[i]
         if a in UNSUPPORTED:
             refuse(f"gemmaspec does not do {UNSUPPORTED[a]} ({a})")
-        if a in VALUE:
+        if a == "--chat-template" and argv[i + 1] not in ("gemma", "chatml", "llama3", "command-r") or \
+                a == "--chat-template-file" and not os.path.exists(argv[i + 1]):
+            i += 2
+        elif a in VALUE:
             out += [VALUE[a] or a, argv[i + 1]]
             i += 2
         elif a in DROP_VALUE:
             has_model |= a in ("--model", "-m", "--hf-repo", "-hf", "--model-url")
             i += 2
+        elif a in FLAG:
+            out.append(a)
+            i += 1
         elif a in DROP_FLAG:
             i += 1
         else:
             refuse(f"unknown llama-server flag {a}")
+    if "--metrics" not in argv:  # llama-server's /metrics is off unless asked for; gemmaspec's is on
+        out.append("--no-metrics")
     if not has_model:
         refuse(f"gemmaspec does not do {UNSUPPORTED['--models-dir']} (no model given)")
     # llama-server's --ctx-size is shared by its slots (each gets ctx / parallel, unless --kv-unified);

@@ -45,22 +45,24 @@ def download(url, out=None):
 
 
 def suite_dir() -> Path:
-    """llama.cpp's ``tools/server/tests`` from llama-cpp-python's sdist, extracted once into the cache."""
+    """llama.cpp's ``tools/server/tests`` from llama-cpp-python's sdist, extracted once into the cache,
+    with ``models/templates`` beside it as in llama.cpp's tree (tests name chat templates by the
+    path ``../../../models/templates/NAME.jinja``)."""
     base = cache_home() / "bench" / f"llama-server-tests-{LLAMA_CPP_VERSION}"
-    tests = base / "tests"
-    if (tests / "utils.py").exists():
+    tests = base / "tools" / "server" / "tests"
+    if (tests / "utils.py").exists() and (base / "models" / "templates").is_dir():
         return tests
     base.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                         f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", tmp], check=True)
         sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        prefix = "vendor/llama.cpp/tools/server/tests/"
+        prefixes = ("vendor/llama.cpp/tools/server/tests/", "vendor/llama.cpp/models/templates/")
         with tarfile.open(sdist) as tar:
             for m in tar.getmembers():
                 rel = m.name.split("/", 1)[1] if "/" in m.name else ""
-                if rel.startswith(prefix) and m.isfile():
-                    dest = tests / rel[len(prefix):]
+                if rel.startswith(prefixes) and m.isfile():
+                    dest = base / rel[len("vendor/llama.cpp/"):]
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     dest.write_bytes(tar.extractfile(m).read())
     return tests

@@ -21,7 +21,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from .errors import InputError
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, filtered_probs
 from .speculative.adaptive import AdaptiveDraftLength
 from .speculative.drafters import DraftContext, Drafter, NoDrafter
 from .speculative.stats import SpecStats
@@ -66,11 +66,17 @@ class RequestStats:
 @dataclass
 class TokenLogprob:
     """A generated token's log-probability under the model (natural log, before sampling filters)
-    and the ``top`` most likely ``(id, logprob)`` pairs at its position, most likely first."""
+    and the ``top`` most likely ``(id, logprob)`` pairs at its position, most likely first.
+
+    With ``probs`` True (llama-server's ``post_sampling_probs``) the values are instead probabilities
+    in the distribution the token was drawn from (after penalties, top-k, top-p, min-p and
+    temperature): ``logprob`` holds the token's probability there (0 if it was not a candidate) and
+    ``top`` the most likely candidates with probabilities above 0."""
 
     token: int
     logprob: float
     top: list
+    probs: bool = False
 
 
 @dataclass
@@ -118,6 +124,8 @@ class RequestState:
             token it forbids, each verify position is masked by its state after the drafts before
             it, the state advances over kept tokens only, and the request stops (reason ``eos``)
             once the grammar can only end. A stop token then always ends it, ``ignore_eos`` or not.
+        post_sampling: with ``logprobs``, report probabilities in the sampling distribution instead
+            (see :class:`TokenLogprob`; llama-server's ``post_sampling_probs``); not with a constraint.
 
     Raises:
         InputError: empty or too long prompt, bad parameters, n_max out of range.
@@ -125,7 +133,7 @@ class RequestState:
 
     def __init__(self, engine: "Engine", prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
                  n_max: int | str = 0, n_min: int = 0, stats: RequestStats | None = None, cache=None,
-                 logprobs: int | None = None, constraint=None):
+                 logprobs: int | None = None, constraint=None, post_sampling: bool = False):
         params.validate()
         engine.check_prompt(prompt_ids)
         self.controller = None
@@ -137,6 +145,9 @@ class RequestState:
             raise ValueError(f"a cache of {cache.capacity} positions cannot hold the context of {engine.ctx_size}")
         self.engine, self.model, self.ctx_size = engine, engine.model, engine.ctx_size
         self.params, self.n_max, self.n_min, self.logprobs = params, n_max, n_min, logprobs
+        if post_sampling and constraint is not None:
+            raise InputError("post-sampling probabilities cannot be combined with a grammar")
+        self.post_sampling = post_sampling
         self.cache = cache if cache is not None else engine.model.new_cache(engine.ctx_size, engine.max_rollback)
         self.drafter = drafter or NoDrafter()
         self.drafter.reset()
@@ -153,7 +164,7 @@ class RequestState:
         self._t1 = self._t_last = 0.0
 
     # ------------------------------------------------------------------------------------------
-    def prefill(self, cancelled=None, reuse: int = 0) -> list[Event]:
+    def prefill(self, cancelled=None, reuse: int = 0, progress=None) -> list[Event]:
         """Run the prompt (in chunks of ``PREFILL_CHUNK``) and sample the first token.
 
         Args:
@@ -163,6 +174,9 @@ class RequestState:
                 prefix, the server's prompt cache): they are kept and only the rest is run, when the
                 cache can roll back to that length (else the whole prompt runs). At most
                 ``len(prompt) - 1``. :attr:`reused` says how many were kept.
+            progress: optional callable ``progress(total, cache, processed, time_ms)``: called once
+                before the first chunk (``processed == cache``: the reused tokens) and after each
+                chunk, the last with ``processed == total`` (llama-server's ``prompt_progress``).
         """
         t0 = time.perf_counter()
         ids = self.tokens
@@ -175,7 +189,12 @@ class RequestState:
         if not reuse:
             self.cache.reset()
         self.reused = reuse
-        out = self.engine._prefill(ids[reuse:], self.cache, cancelled)
+        report = None
+        if progress is not None:
+            total = len(ids)
+            progress(total, reuse, reuse, 0.0)
+            report = lambda n: progress(total, reuse, reuse + n, (time.perf_counter() - t0) * 1e3)  # noqa: E731
+        out = self.engine._prefill(ids[reuse:], self.cache, cancelled, report)
         if out is None:
             self.cancel()
             return []
@@ -193,7 +212,7 @@ class RequestState:
         self.tokens.append(token)
         self._grammar_step(token)
         st.generated_tokens = 1
-        events = [Event(text, [token], self._logprobs(out.logits[0], [token]))]
+        events = [Event(text, [token], self._logprobs(out.logits[0], [token], ids[:-1]))]
         self._check_context()
         if self.stop.reason:
             self._finish(events)
@@ -249,7 +268,7 @@ class RequestState:
             text = stop.add(t)
             if text is None:
                 break
-            events.append(Event(text, [t], self._logprobs(out.logits[i], [t])))
+            events.append(Event(text, [t], self._logprobs(out.logits[i], [t], self.tokens + new[:i])))
             self._grammar_step(t)
             if stop.reason:
                 break
@@ -295,9 +314,15 @@ class RequestState:
         self.stats.stop_reason = self.stop.reason
         self.done = True
 
-    def _logprobs(self, logits: torch.Tensor, tokens: list[int]):
+    def _logprobs(self, logits: torch.Tensor, tokens: list[int], history=()):
         if self.logprobs is None:
             return None
+        if self.post_sampling:  # the distribution the token was drawn from (history: the ids before it)
+            ids, probs = filtered_probs(logits, self.params, history)
+            ids, probs = ids.tolist(), probs.tolist()
+            at = dict(zip(ids, probs))
+            top = [(i, p) for i, p in zip(ids[:self.logprobs], probs[:self.logprobs]) if p > 0]
+            return [TokenLogprob(t, at.get(t, 0.0), top, probs=True) for t in tokens]
         lp = torch.log_softmax(logits.float(), -1)
         top = []
         if self.logprobs > 0:
@@ -365,16 +390,19 @@ class Engine:
             self._forward_costs = costs
         return self._forward_costs
 
-    def _prefill(self, ids: list[int], cache=None, cancelled=None):
+    def _prefill(self, ids: list[int], cache=None, cancelled=None, progress=None):
         """Run ``ids`` at positions cache.length.. in chunks of ``PREFILL_CHUNK`` (default cache: the
         engine's); returns the last chunk's :class:`~gemmaspec.models.base.ForwardOutput`, or None when
-        ``cancelled()`` (checked before each chunk) said stop."""
+        ``cancelled()`` (checked before each chunk) said stop. ``progress(n)``, if given, is called
+        after each chunk with the number of ``ids`` run so far."""
         cache = self.cache if cache is None else cache
         out = None
         for i in range(0, len(ids), PREFILL_CHUNK):
             if cancelled is not None and cancelled():
                 return None
             out = self.model.forward(torch.tensor(ids[i:i + PREFILL_CHUNK]), cache)
+            if progress is not None:
+                progress(min(i + PREFILL_CHUNK, len(ids)))
         return out
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,

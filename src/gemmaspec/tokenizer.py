@@ -34,6 +34,33 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 
+def _generation_extension():
+    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks the assistant's tokens for
+    training masks): rendered as its body."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
+
+
+TEMPLATE_EXTENSIONS = ["jinja2.ext.loopcontrols", _generation_extension()]
+"""Jinja extensions chat templates get, as transformers gives them: ``{% break %}`` /
+``{% continue %}`` and ``{% generation %}``."""
+
+
+def _strftime_now(fmt: str) -> str:
+    """Today's local date and time in ``fmt`` (``strftime``), for chat templates that write the date."""
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
+
+
 class GemmaTokenizer:
     """Text ↔ token ids for a Gemma model.
 
@@ -230,11 +257,18 @@ class GemmaTokenizer:
             return self.fast.vocab()
         return self.backend.get_vocab()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final: bool = False) -> str:
         """Render chat ``messages`` ([{"role": "user"|"system"|"assistant", "content": str}]) as text.
 
+        ``continue_final``: the last message (an assistant's) is left open, so the model continues
+        it: the text up to where the template puts its content, then the content as given (no end
+        of turn, no generation prompt; llama-server's assistant prefill, vLLM's
+        ``continue_final_message``).
+
         Raises:
-            InputError: a message without role/content, or a role the template rejects.
+            InputError: a message without role/content, a role the template rejects, or (with
+                ``continue_final``) a template that does not write the last message's content.
         """
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -246,14 +280,34 @@ class GemmaTokenizer:
         def raise_exception(msg):
             raise InputError(f"chat template: {msg}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=TEMPLATE_EXTENSIONS)
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = _strftime_now  # as transformers gives templates (dates in system prompts)
+        # templates may also use {% break %} / {% continue %} (transformers enables loopcontrols) and
+        # llama.cpp's date_string and datetime variables (today, "%d %b %Y" and "%b %d %Y")
+        mark = "\ufdd2"
+        if continue_final:
+            if not messages or any(mark in m["content"] for m in messages):
+                raise InputError("nothing to continue (no messages), or message content contains U+FDD2")
+            final = messages[-1]["content"]
+            messages = [*messages[:-1], {**messages[-1], "content": mark}]
+            add_generation_prompt = False
         try:
-            return env.from_string(self.chat_template).render(
+            import datetime
+
+            now = datetime.datetime.now()
+            text = env.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.id_to_token(self.bos_id), eos_token=self.id_to_token(self.eos_id))
+                bos_token=self.id_to_token(self.bos_id), eos_token=self.id_to_token(self.eos_id),
+                date_string=now.strftime("%d %b %Y"), datetime=now.strftime("%b %d %Y"))  # as llama.cpp gives them
         except jinja2.TemplateError as exc:
             raise InputError(f"chat template failed: {exc}") from None
+        if continue_final:
+            if text.count(mark) != 1:
+                raise InputError("this chat template does not write the final message's content, so it cannot be "
+                                 "continued")
+            text = text[:text.index(mark)] + final
+        return text
 
     def encode_text(self, text: str, add_bos: bool | None = False) -> list[int]:
         """Token ids of ``text`` with every character taken as text: a control-token spelling in it
@@ -283,8 +337,10 @@ class GemmaTokenizer:
                 self._special_ids = frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
         return self._special_ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Ids of the rendered chat prompt (the template writes BOS itself, so none is added).
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final: bool = False) -> list[int]:
+        """Ids of the rendered chat prompt (the template writes BOS itself, so none is added);
+        ``add_generation_prompt`` and ``continue_final`` as in :meth:`apply_chat_template`.
 
         Message contents are text: a control-token spelling inside one (``<end_of_turn>`` typed by a
         user) is tokenized as characters, so a message cannot forge a turn. Only the template's own
@@ -294,15 +350,16 @@ class GemmaTokenizer:
             InputError: bad messages (see :meth:`apply_chat_template`), or a template that changes
                 message content in a way that hides where it lies while the content spells a control token.
         """
-        text = self.apply_chat_template(messages)
+        opts = {"add_generation_prompt": add_generation_prompt, "continue_final": continue_final}
+        text = self.apply_chat_template(messages, **opts)
         bos = self.id_to_token(self.bos_id)
         specials = self.special_ids
         if not any(specials.intersection(self.encode(m["content"], add_bos=False))
                    for m in messages if m["content"]):
             return self.encode(text, add_bos=not text.startswith(bos))
-        return self._encode_chat_guarded(messages, text)
+        return self._encode_chat_guarded(messages, text, opts)
 
-    def _encode_chat_guarded(self, messages: list[dict], text: str) -> list[int]:
+    def _encode_chat_guarded(self, messages: list[dict], text: str, opts: dict | None = None) -> list[int]:
         """The rendered prompt with message contents marked (by rendering them wrapped in two
         noncharacters), split at the template's control tokens only; each run between them is
         tokenized as text. For content without control-token spellings this gives the ids plain
@@ -317,7 +374,7 @@ class GemmaTokenizer:
         for strip in (False, True):
             wrapped = [{**m, "content": start + (m["content"].strip() if strip else m["content"]) + end}
                        for m in messages]
-            cand = self.apply_chat_template(wrapped)
+            cand = self.apply_chat_template(wrapped, **(opts or {}))
             if cand.replace(start, "").replace(end, "") == text:
                 marked = cand
                 break

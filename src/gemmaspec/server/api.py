@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from ..sampling import SamplingParams
 from ..streaming import stop_matcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .scheduler import Job, Scheduler
-from .schema import (APIError, ChatRequest, chat_messages, CompletionRequest, Formatter, NativeCompletionRequest,
+from .schema import (MAX_CHOICES, APIError, ChatRequest, chat_messages, CompletionRequest, Formatter, NativeCompletionRequest,
                      NativeFormatter, completion_prompt, fingerprint, grammar_of, native_prompts, json_body, refuse_unsupported,
                      sampling_params, spec_overrides, sse, validate)
 from .security import MAX_BODY_BYTES, Guard, key_matches
@@ -51,7 +51,13 @@ class ServeConfig:
     ``--seed``...); ``n_predict`` (``-n``) the token limit for every endpoint (None: 16 for
     ``/v1/completions``, no limit for chat and ``/completion``). ``allowed_hosts``, ``cors_origins`` and
     ``max_body`` go to :class:`~gemmaspec.server.security.Guard`. ``slot_save_path``: the directory
-    for ``POST /slots/{id}?action=save|restore`` (None: slot actions answer 501).
+    for ``POST /slots/{id}?action=save|restore`` (None: slot actions answer 501). ``alias``: the
+    model's names, comma-separated (``/v1/models`` reports the alphabetically first as ``id`` and all
+    as ``aliases``, with ``tags``, as llama-server). ``verbose`` (``--verbose``): every OpenAI response
+    carries ``__verbose``; ``slots_endpoint`` False (``--no-slots``): ``GET /slots`` answers 501;
+    ``metrics_endpoint`` False (``--no-metrics``): ``GET /metrics`` answers 501; ``ui`` False
+    (``--no-ui``): ``/`` answers 404. ``chat_template``: Jinja text replacing the model's
+    template (``--chat-template``, ``--chat-template-file``).
     """
 
     model: str | None = None
@@ -74,6 +80,12 @@ class ServeConfig:
     cors_origins: tuple[str, ...] = ()
     max_body: int = MAX_BODY_BYTES
     slot_save_path: str | None = None
+    verbose: bool = False
+    slots_endpoint: bool = True
+    metrics_endpoint: bool = True
+    ui: bool = True
+    tags: tuple[str, ...] = ()
+    chat_template: str | None = None
 
 
 # -- the app -----------------------------------------------------------------------------------------
@@ -109,6 +121,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         on_load_error: called with the exception if loading fails (scheduler thread).
     """
     info: dict[str, Any] = {}
+    started = int(time.time())
 
     def load():
         from ..loader import drafter_factory, load_engine
@@ -117,13 +130,16 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         t0 = time.perf_counter()
         path = Path(cfg.model) if cfg.model else default_model_path()
         engine = load_engine(path, ctx_size=cfg.ctx_size, device=cfg.device, threads=cfg.threads)
+        if cfg.chat_template is not None:
+            engine.tokenizer.chat_template = cfg.chat_template
         spec, make = drafter_factory(cfg.spec_type, engine, cfg.draft_model, cfg.p_min, cfg.ngram_size,
                                      cfg.ngram_min)
         if cfg.n_max == "auto" and spec != "none":
             engine.forward_costs()
         names = {path.name, path.stem, str(path), str(cfg.model or "")}
-        info.update(engine=engine, path=path, spec_type=spec, model_id=cfg.alias or path.name,
-                    names={n for n in names | {cfg.alias or ""} if n}, load_s=time.perf_counter() - t0,
+        aliases = sorted({a.strip() for a in (cfg.alias or "").split(",") if a.strip()})
+        info.update(engine=engine, path=path, spec_type=spec, model_id=aliases[0] if aliases else path.name,
+                    aliases=aliases, names={n for n in names | set(aliases) if n}, load_s=time.perf_counter() - t0,
                     created=int(time.time()))
         return engine, make
 
@@ -173,6 +189,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     # -- read-only endpoints -----------------------------------------------------------------------
     @app.get("/", include_in_schema=False)
     async def index():
+        if not cfg.ui:
+            raise APIError(404, "the web UI is disabled (--no-ui)")
         return HTMLResponse(resources.files("gemmaspec.server").joinpath("static/index.html").read_text("utf-8"))
 
     @app.get("/health")
@@ -188,6 +206,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         e = info["engine"]
         return {"object": "list", "data": [{
             "id": info["model_id"], "object": "model", "created": info["created"], "owned_by": "gemmaspec",
+            "aliases": info["aliases"], "tags": list(cfg.tags),
             "meta": {"n_ctx": e.ctx_size, "n_vocab": e.tokenizer.vocab_size,
                      "architecture": getattr(e.model.config, "architecture", "")}}]}
 
@@ -204,14 +223,17 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 "speculative.n_max": cfg.n_max if n_max is None else n_max,
                 "speculative.n_min": cfg.n_min if n_min is None else n_min, "speculative.p_min": cfg.p_min}
 
-    def describe(job) -> dict:
+    def describe(job, last=None) -> dict:
+        """A slot's llama-server fields: the running request's (``job``), or the last one's
+        parameters with an idle ``next_token`` (nothing remains, nothing decoded)."""
         st = job.stats if job else None
         p = job.params if job else None
-        return {"id_task": -1 if job is None else job.name, "speculative": info["spec_type"] != "none",
-                "params": settings(p, job.n_max if job else None, job.n_min if job else None),
-                "next_token": {"has_next_token": job is not None, "has_new_line": False,
-                               "n_remain": -1 if p is None or p.max_tokens == -1 else p.max_tokens - st.generated_tokens,
-                               "n_decoded": st.generated_tokens if st else 0}}
+        task = job or last
+        return {"id_task": task.name, "speculative": info["spec_type"] != "none",
+                "params": settings(task.params, task.n_max, task.n_min),
+                "next_token": [{"has_next_token": job is not None, "has_new_line": False,  # a list, as llama-server's
+                                "n_remain": -1 if p is None or p.max_tokens == -1 else p.max_tokens - st.generated_tokens,
+                                "n_decoded": st.generated_tokens if st else 0}]}
 
     @app.get("/props")
     async def props(request: Request):
@@ -221,8 +243,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": e.ctx_size,
                                             "speculative": info["spec_type"] != "none", "is_processing": False,
                                             "params": settings(), "prompt": "",
-                                            "next_token": {"has_next_token": True, "has_new_line": False,
-                                                           "n_remain": -1, "n_decoded": 0}},
+                                            "next_token": [{"has_next_token": True, "has_new_line": False,
+                                                            "n_remain": -1, "n_decoded": 0}]},
             "total_slots": cfg.n_slots, "model_path": str(info["path"]), "chat_template": e.tokenizer.chat_template,
             "chat_template_caps": {}, "modalities": {"vision": False, "audio": False}, "build_info": fingerprint(),
             "model": info["model_id"], "n_ctx": e.ctx_size, "batched_forward": scheduler.batched,
@@ -233,6 +255,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     @app.get("/slots")
     async def slots(request: Request):
         guard(request)
+        if not cfg.slots_endpoint:
+            raise APIError(501, "This server does not support slots endpoint (started with --no-slots)",
+                           "not_supported_error")
         return scheduler.slots_info(describe)
 
     @app.post("/slots/{id_slot}")
@@ -266,7 +291,14 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     @app.get("/metrics")
     async def prometheus(request: Request):
         guard(request, need_model=False)
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        if not cfg.metrics_endpoint:
+            raise APIError(501, "This server does not support metrics endpoint (started with --no-metrics)",
+                           "not_supported_error")
+        resp = Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        # llama-server's header, spelled as it spells it (clients that read headers into a plain dict
+        # look it up by that spelling; Starlette would lower-case it)
+        resp.raw_headers.append((b"Process-Start-Time-Unix", str(started).encode()))
+        return resp
 
     # -- tokens and templates (llama-server) -----------------------------------------------------------
     @app.post("/tokenize")
@@ -308,22 +340,47 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         messages = render_history(chat_messages(req), req.messages)
         return with_tools_prompt(messages, spec) if spec is not None else messages
 
+    def chat_ids(req, body: dict) -> tuple[list[int], object]:
+        """A chat request's prompt ids (and its tools): rendered with the template, the generation
+        prompt or the continuation of a final assistant message as the request says."""
+        spec = parse_tools(body)
+        messages = chat_prompt(req, spec)
+        agp, cont = continuation(req)
+        try:
+            return info["engine"].tokenizer.encode_chat(messages, add_generation_prompt=agp, continue_final=cont), spec
+        except GemmaspecError as exc:
+            raise APIError(400, str(exc)) from None
+
     @app.post("/apply-template")
     async def apply_template(request: Request):
         guard(request)
         body = await json_body(request)
         req = validate(ChatRequest, body)
+        messages = chat_prompt(req, parse_tools(body))
+        agp, cont = continuation(req)
         try:
-            return {"prompt": info["engine"].tokenizer.apply_chat_template(chat_prompt(req, parse_tools(body)))}
+            return {"prompt": info["engine"].tokenizer.apply_chat_template(
+                messages, add_generation_prompt=agp, continue_final=cont)}
         except GemmaspecError as exc:
             raise APIError(400, str(exc)) from None
 
+    @app.post("/chat/completions/input_tokens")
+    @app.post("/v1/chat/completions/input_tokens")
+    async def chat_input_tokens(request: Request):
+        """llama-server's count of a chat request's prompt tokens, without generating."""
+        guard(request)
+        body = await json_body(request)
+        refuse_unsupported(body, chat=True)
+        req = validate(ChatRequest, body)
+        ids, _ = chat_ids(req, body)
+        return {"input_tokens": len(ids)}
+
     # -- generation ----------------------------------------------------------------------------------
-    def params_for(req, max_tokens, default_max):
+    def params_for(req, max_tokens, default_max, max_n=1):
         e = info["engine"]
         default = cfg.n_predict if cfg.n_predict is not None else default_max
         return sampling_params(req, max_tokens, e.ctx_size, default_max=default, defaults=cfg.defaults,
-                               tokenizer=e.tokenizer)
+                               tokenizer=e.tokenizer, max_n=max_n)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -332,14 +389,20 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         refuse_unsupported(body)
         req = validate(CompletionRequest, body)
         e = info["engine"]
-        params = params_for(req, req.max_tokens, 16)
+        params = params_for(req, req.max_tokens, 16, MAX_CHOICES)
         ids = completion_prompt(req.prompt, e)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError(400, f"logprobs must be in 0..20 (got {req.logprobs})")
         grammar = grammar_of(body)
-        fmt = Formatter("completions", f"cmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, req.logprobs,
-                        _include_usage(req))
-        return await _generate(request, req, "completions", ids, params, req.logprobs, fmt, grammar=grammar)
+        rid, usage, verbose = f"cmpl-{uuid.uuid4().hex[:24]}", _include_usage(req), verbose_formatter(req, params, ids)
+        fmts = [Formatter("completions", rid, info["model_id"], e.tokenizer, req.logprobs, usage,
+                          timings_per_token=req.timings_per_token, verbose=verbose if i == 0 else None, index=i)
+                for i in range(req.n)]
+        check_slot(req)
+        if req.n > 1:
+            return await _generate_n(request, req, "completions", ids, params, req.logprobs, fmts, grammar)
+        return await _generate(request, req, "completions", ids, params, req.logprobs, fmts[0], want_slot=req.id_slot,
+                               grammar=grammar)
 
     @app.post("/completion")
     @app.post("/completions")
@@ -353,13 +416,17 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         prompts = native_prompts(req.prompt, e)
         if not 0 <= req.n_probs <= 20:
             raise APIError(400, f"n_probs must be in 0..20 (got {req.n_probs})")
-        if not -1 <= req.id_slot < cfg.n_slots:
-            raise APIError(400, f"id_slot must be -1 (any) or a slot in 0..{cfg.n_slots - 1} (got {req.id_slot})")
+        check_slot(req)
         n_max, n_min = spec_overrides(req, cfg)
         grammar = grammar_of(body)
+        if req.post_sampling_probs and grammar is not None:
+            raise APIError(400, f"post_sampling_probs cannot be combined with '{grammar.field}'")
         fmts = [NativeFormatter(info["model_id"], e.tokenizer, req.n_probs, req.return_tokens,
                                 {**settings(params, n_max, n_min), "n_probs": req.n_probs, "n_ctx": e.ctx_size,
-                                 "model": info["model_id"]}, e.tokenizer.decode(ids)) for ids in prompts]
+                                 "model": info["model_id"], "post_sampling_probs": req.post_sampling_probs,
+                                 "timings_per_token": req.timings_per_token},
+                                e.tokenizer.decode(ids), timings_per_token=req.timings_per_token,
+                                response_fields=req.response_fields) for ids in prompts]
         n_probs = req.n_probs if req.n_probs else None
         if len(prompts) == 1:
             return await _generate(request, req, "completion", prompts[0], params, n_probs, fmts[0],
@@ -398,13 +465,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         req = validate(ChatRequest, body)
         e = info["engine"]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = params_for(req, max_tokens, -1)
-        spec = parse_tools(body)
-        messages = chat_prompt(req, spec)
-        try:
-            ids = e.tokenizer.encode_chat(messages)
-        except GemmaspecError as exc:
-            raise APIError(400, str(exc)) from None
+        params = params_for(req, max_tokens, -1, MAX_CHOICES)
+        ids, spec = chat_ids(req, body)
         top = None
         if req.logprobs:
             top = req.top_logprobs or 0
@@ -417,9 +479,52 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             if grammar is not None:
                 raise APIError(400, f"'tools' cannot be combined with '{grammar.field}' (unless tool_choice is none)")
             grammar = tools_grammar(spec)
-        fmt = Formatter("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", info["model_id"], e.tokenizer, top,
-                        _include_usage(req), tools=spec if spec is not None and spec.active else None)
-        return await _generate(request, req, "chat", ids, params, top, fmt, grammar=grammar)
+        tools = spec if spec is not None and spec.active else None
+        if tools is not None and req.n > 1:
+            raise APIError(400, "n > 1 is not supported together with tools (one choice per tool-calling request)")
+        rid, usage, verbose = f"chatcmpl-{uuid.uuid4().hex[:24]}", _include_usage(req), verbose_formatter(req, params, ids)
+        fmts = [Formatter("chat", rid, info["model_id"], e.tokenizer, top, usage, tools=tools,
+                          timings_per_token=req.timings_per_token, verbose=verbose if i == 0 else None, index=i)
+                for i in range(req.n)]
+        check_slot(req)
+        if req.n > 1:
+            return await _generate_n(request, req, "chat", ids, params, top, fmts, grammar)
+        return await _generate(request, req, "chat", ids, params, top, fmts[0], want_slot=req.id_slot, grammar=grammar)
+
+    def check_slot(req) -> None:
+        if not -1 <= req.id_slot < cfg.n_slots:
+            raise APIError(400, f"id_slot must be -1 (any) or a slot in 0..{cfg.n_slots - 1} (got {req.id_slot})")
+
+    def continuation(req) -> tuple[bool, bool]:
+        """``(add_generation_prompt, continue_final)`` for a chat request, as llama-server decides:
+        a final assistant message is continued (prefilled: the reply goes on from its text) unless
+        ``continue_final_message: false``; ``continue_final_message: true`` with
+        ``add_generation_prompt: true`` is a 400."""
+        agp = True if req.add_generation_prompt is None else req.add_generation_prompt
+        cont = req.continue_final_message
+        last = req.messages[-1]
+        if cont is None and last.role == "assistant":
+            if len(req.messages) >= 2 and req.messages[-2].role == "assistant":
+                raise APIError(400, "Cannot have 2 or more assistant messages at the end of the list.")
+            cont, agp = True, False
+        if cont and agp:
+            raise APIError(400, "Cannot set both add_generation_prompt and continue_final_message to true.")
+        if cont and last.role != "assistant":
+            raise APIError(400, "continue_final_message needs a final assistant message to continue")
+        if cont and (last.model_extra or {}).get("tool_calls"):
+            raise APIError(400, "Cannot continue an assistant message that contains tool calls (tool_calls); "
+                                "send continue_final_message: false")
+        return agp, bool(cont)
+
+    def verbose_formatter(req, params: SamplingParams, ids: list[int]) -> NativeFormatter | None:
+        """The ``__verbose`` result's formatter (``--verbose`` or the request's ``verbose: true``)."""
+        if not (cfg.verbose or req.verbose):
+            return None
+        e = info["engine"]
+        n_max, n_min = spec_overrides(req, cfg)
+        return NativeFormatter(info["model_id"], e.tokenizer, 0, False,
+                               {**settings(params, n_max, n_min), "n_ctx": e.ctx_size, "model": info["model_id"]},
+                               e.tokenizer.decode(ids))
 
     def _include_usage(req) -> bool | None:
         opts = req.stream_options
@@ -464,7 +569,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
 
         name = getattr(fmt, "id", None) or f"cmpl-{uuid.uuid4().hex[:24]}"
         job = Job(ids, params, emit, n_max, n_min, logprobs, name=name, endpoint=kind, want_slot=want_slot,
-                  cache_prompt=req.cache_prompt, constraint=constraint)
+                  cache_prompt=req.cache_prompt, constraint=constraint,
+                  post_sampling=bool(getattr(req, "post_sampling_probs", False)),
+                  progress=req.return_progress and req.stream)
         try:
             scheduler.submit(job)
         except RuntimeError as exc:
@@ -492,6 +599,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 what, payload = await queue.get()
                 if what == "events":
                     events.extend(payload)
+                elif what == "progress":
+                    pass
                 elif what == "done":
                     return fmt.final(events, job) if kind == "completion" else fmt.whole(events, job)
                 elif what == "gone":
@@ -502,13 +611,67 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             watcher.cancel()
             scheduler.cancel(job)  # a no-op once the job is done
 
+    async def _generate_n(request: Request, req, kind: str, ids: list[int], params: SamplingParams, logprobs,
+                          fmts: list[Formatter], grammar):
+        """``n`` > 1 choices: one job each (in parallel as slots allow; a given seed S gives choice i
+        the seed S + i, so choices differ and repeat), merged into one response or one stream whose
+        chunks carry their choice's ``index``; usage counts the prompt once and every choice's tokens."""
+        each = [params if params.seed < 0 else replace(params, seed=params.seed + i) for i in range(len(fmts))]
+        if req.stream:
+            queue: asyncio.Queue = asyncio.Queue()
+            jobs: list[Job] = []
+            try:
+                for i, fmt in enumerate(fmts):
+                    jobs.append(await _submit(req, kind, ids, each[i], logprobs, fmt, queue, req.id_slot, grammar=grammar,
+                                              tag=i))
+            except BaseException:
+                for j in jobs:
+                    scheduler.cancel(j)
+                raise
+            return _JobStream(_multi_stream(queue, fmts, jobs), on_close=lambda: [scheduler.cancel(j) for j in jobs])
+        got = await asyncio.gather(*[_generate(request, req, kind, ids, each[i], logprobs, fmt, want_slot=req.id_slot,
+                                               grammar=grammar) for i, fmt in enumerate(fmts)], return_exceptions=True)
+        for r in got:
+            if isinstance(r, BaseException):
+                raise r
+            if isinstance(r, Response):  # the client left
+                return r
+        out = got[0]
+        out["choices"] = [r["choices"][0] for r in got]
+        prompt, done = out["usage"]["prompt_tokens"], sum(r["usage"]["completion_tokens"] for r in got)
+        out["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return out
+
+    async def _multi_stream(queue, fmts: list[Formatter], jobs: list[Job]):
+        if fmts[0].kind == "chat":
+            for f in fmts:
+                yield sse(f.first_chunk())
+        left = len(jobs)
+        while left:
+            i, (what, payload) = await queue.get()
+            if what == "progress":
+                yield sse(fmts[i].progress_chunk(payload))
+            elif what == "events":
+                for ev in payload:
+                    yield sse(fmts[i].event_chunk(ev, jobs[i]))
+            elif what == "done":
+                left -= 1
+                for c in fmts[i].final_chunks(jobs[i], usage_jobs=jobs if not left else []):
+                    yield sse(c)
+            else:
+                yield _sse_error(payload)
+                return
+        yield "data: [DONE]\n\n"
+
     async def _stream(queue, fmt: "Formatter", job: Job):
         if fmt.kind == "chat":
             yield sse(fmt.first_chunk())
         held = [] if fmt.tools is not None else None  # events held back while the reply may be a tool call
         while True:
             what, payload = await queue.get()
-            if what == "events":
+            if what == "progress":
+                yield sse(fmt.progress_chunk(payload))
+            elif what == "events":
                 for ev in payload:
                     if held is not None:
                         held.append(ev)
@@ -516,10 +679,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                         if not start or start.startswith("{"):
                             continue
                         for e in held:  # plain text: stream it from here on
-                            yield sse(fmt.event_chunk(e))
+                            yield sse(fmt.event_chunk(e, job))
                         held = None
                         continue
-                    yield sse(fmt.event_chunk(ev))
+                    yield sse(fmt.event_chunk(ev, job))
             elif what == "done":
                 finish = None
                 if held is not None:
@@ -530,7 +693,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                         finish = "tool_calls"
                     else:
                         for e in held:
-                            yield sse(fmt.event_chunk(e))
+                            yield sse(fmt.event_chunk(e, job))
                 for c in fmt.final_chunks(job, finish):
                     yield sse(c)
                 yield "data: [DONE]\n\n"
@@ -543,7 +706,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         left = len(jobs)
         while left:
             i, (what, payload) = await queue.get()
-            if what == "events":
+            if what == "progress":
+                yield sse({**fmts[i].progress_chunk(payload, jobs[i]), "index": i})
+            elif what == "events":
                 for ev in payload:
                     yield sse({**fmts[i].event_chunk(ev, jobs[i]), "index": i})
             elif what == "done":
@@ -556,7 +721,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     async def _native_stream(queue, fmt: NativeFormatter, job: Job):
         while True:
             what, payload = await queue.get()
-            if what == "events":
+            if what == "progress":
+                yield sse(fmt.progress_chunk(payload, job))
+            elif what == "events":
                 for ev in payload:
                     yield sse(fmt.event_chunk(ev, job))
             elif what == "done":

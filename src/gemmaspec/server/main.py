@@ -25,10 +25,28 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     add_common(s)
     s.add_argument("-np", "--parallel", type=int, default=4,
                    help="slots: requests served at once, batched together (default 4); more wait in a queue")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1); several, comma-separated, all on the same port")
     s.add_argument("--port", type=int, default=8085, help="port (default 8085; 0 picks a free one)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API endpoints")
-    s.add_argument("-a", "--alias", default=None, help="model name clients use (default: the model's file name)")
+    s.add_argument("-a", "--alias", default=None,
+                   help="model name(s) clients use, comma-separated (default: the model's file name); /v1/models "
+                        "reports the alphabetically first as id and all as aliases")
+    s.add_argument("--tags", default=None, help="comma-separated tags /v1/models reports for the model")
+    s.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
+                   help="chat template instead of the model's: a name (" + ", ".join(TEMPLATES) + ") or Jinja text")
+    s.add_argument("--chat-template-file", default=None, metavar="FILE", help="chat template (Jinja) from a file")
+    s.add_argument("--slots", dest="slots_endpoint", action="store_true", default=True,
+                   help="answer GET /slots (the default)")
+    s.add_argument("--no-slots", dest="slots_endpoint", action="store_false", help="GET /slots answers 501")
+    s.add_argument("--metrics", dest="metrics", action="store_true", default=True,
+                   help="answer GET /metrics (the default; llama-server's flag to enable it)")
+    s.add_argument("--no-metrics", dest="metrics", action="store_false", help="GET /metrics answers 501")
+    s.add_argument("--no-ui", "--no-webui", dest="ui", action="store_false", default=True,
+                   help="no chat page: / answers 404")
+    s.add_argument("--verbose", action="store_true",
+                   help="every OpenAI response carries __verbose (llama-server's native result, with the rendered "
+                        "prompt)")
     s.add_argument("--allowed-hosts", action="append", default=[], metavar="NAMES",
                    help="Host names the server answers to besides IP addresses and localhost (comma-separated, "
                         "repeatable; '*' for any): a guard against DNS rebinding")
@@ -50,6 +68,63 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     add_spec(s, default=None,
              help_default="default ngram-simple; with -md: draft-mtp for a Gemma 4 target, else draft-simple")
     return s
+
+
+# llama-server's --chat-template names gemmaspec knows (Jinja of the same formats; a Gemma model's
+# vocabulary has none of the other formats' control tokens, so they are written as text)
+TEMPLATES = {
+    "gemma": None,  # the built-in Gemma turn format
+    "chatml": "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+              "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+    "llama3": "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+              "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}",
+    "command-r": "{% for message in messages %}{{ '<|START_OF_TURN_TOKEN|>' + {'system': '<|SYSTEM_TOKEN|>', 'user': "
+                 "'<|USER_TOKEN|>', 'assistant': '<|CHATBOT_TOKEN|>'}.get(message['role'], '<|USER_TOKEN|>') + "
+                 "message['content'] + '<|END_OF_TURN_TOKEN|>' }}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{% endif %}",
+}
+
+
+def chat_template_of(args) -> str | None:
+    """The Jinja text of ``--chat-template`` / ``--chat-template-file`` (None: the model's own).
+
+    Raises:
+        InputError: both given, an unknown name that is not Jinja, an unreadable file, a template
+            that does not parse.
+    """
+    name, path = args.chat_template, args.chat_template_file
+    if name is not None and path is not None:
+        raise InputError("give --chat-template or --chat-template-file, not both")
+    if path is not None:
+        try:
+            text = Path(path).read_text("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"--chat-template-file {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") \
+                from None
+    elif name is None:
+        return None
+    elif name in TEMPLATES:
+        if TEMPLATES[name] is None:
+            from ..tokenizer import GEMMA_CHAT_TEMPLATE
+
+            return GEMMA_CHAT_TEMPLATE
+        return TEMPLATES[name]
+    elif "{%" in name or "{{" in name:
+        text = name
+    else:
+        raise InputError(f"--chat-template {name}: unknown template name; use one of {', '.join(TEMPLATES)}, Jinja "
+                         "text, or --chat-template-file FILE")
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        from ..tokenizer import TEMPLATE_EXTENSIONS
+
+        ImmutableSandboxedEnvironment(extensions=TEMPLATE_EXTENSIONS).parse(text)
+    except jinja2.TemplateError as exc:
+        raise InputError(f"the chat template does not parse: {exc}") from None
+    return text
 
 
 def _check_readable(flag: str, path: str | None) -> None:
@@ -114,25 +189,37 @@ def serve(args) -> int:
     split = lambda vals: tuple(x.strip() for v in vals for x in v.split(",") if x.strip())  # noqa: E731
     from .security import host_names
 
-    hosts = host_names(args.host, split(args.allowed_hosts))  # IP literals and localhost always pass
+    binds = [h.strip().strip("[]") for h in args.host.split(",") if h.strip()]
+    if not binds:
+        raise InputError("--host needs an address")
+    hosts = tuple(n for b in binds for n in host_names(b, split(args.allowed_hosts)))  # IPs, localhost pass
     cfg = ServeConfig(model=args.model, draft_model=args.model_draft, spec_type=args.spec_type, n_max=n_max,
                       n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, ngram_size=args.spec_ngram_size,
                       ngram_min=args.spec_ngram_min, ctx_size=args.ctx_size, n_slots=args.parallel,
                       device=args.device, threads=args.threads, api_key=args.api_key, alias=args.alias,
                       defaults=defaults, n_predict=args.n_predict, allowed_hosts=hosts,
-                      cors_origins=split(args.cors_origin), slot_save_path=slot_dir)
+                      cors_origins=split(args.cors_origin), slot_save_path=slot_dir, verbose=args.verbose,
+                      slots_endpoint=args.slots_endpoint, metrics_endpoint=args.metrics, ui=args.ui, tags=split([args.tags or ""]),
+                      chat_template=chat_template_of(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as exc:
-        sock.close()
-        raise InputError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
-                         "pick another --port or --host") from None
-    sock.listen(128)
-    port = sock.getsockname()[1]
+    socks: list[socket.socket] = []
+    port = args.port
+    for bind in binds:  # the first fixes the port (--port 0: a free one), the others share it
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            sock.bind((bind, port))
+        except OSError as exc:
+            for s_ in [*socks, sock]:
+                s_.close()
+            raise InputError(f"cannot listen on {bind}:{port} ({exc.strerror or exc}); "
+                             "pick another --port or --host") from None
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        socks.append(sock)
     failure: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -144,15 +231,16 @@ def serve(args) -> int:
     app = create_app(cfg, on_load_error=load_failed)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3)
     server = uvicorn.Server(config)
-    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    urls = ", ".join(f"http://{f'[{b}]' if ':' in b else b}:{port}" for b in binds)
     if est is not None:
         print(est.line(), file=sys.stderr)
-    print(f"gemmaspec serve: listening on http://{host}:{port} (loading the model; /health answers 503 until "
+    print(f"gemmaspec serve: listening on {urls} (loading the model; /health answers 503 until "
           "it is ready)", file=sys.stderr, flush=True)
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=socks)
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
     if failure:
         exc = failure[0]
         from ..errors import GemmaspecError

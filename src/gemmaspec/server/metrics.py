@@ -10,10 +10,12 @@ Counters (Prometheus adds ``_total``): ``gemmaspec_requests_total{endpoint, fini
 token, queueing included), ``gemmaspec_forward_batch_size`` (requests sharing each decode forward).
 
 The same figures under llama-server's names too, so its dashboards work: ``llamacpp:prompt_tokens_total``,
-``llamacpp:prompt_seconds_total``, ``llamacpp:tokens_predicted_total``,
+``llamacpp:prompt_tokens_cached_total`` (reused from a slot's cache), ``llamacpp:prompt_seconds_total``,
+``llamacpp:tokens_predicted_total``,
 ``llamacpp:tokens_predicted_seconds_total``, ``llamacpp:prompt_tokens_seconds`` and
 ``llamacpp:predicted_tokens_seconds`` (average throughputs), ``llamacpp:requests_processing``,
-``llamacpp:requests_deferred``, ``llamacpp:n_decode_total`` (target forwards),
+``llamacpp:requests_deferred``, ``llamacpp:n_decode_total`` (target forwards), ``llamacpp:n_tokens_max``
+(the longest sequence seen, prompt + generated),
 ``llamacpp:n_busy_slots_per_decode`` and ``llamacpp:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total``,
 ``llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position}``.
 """
@@ -47,6 +49,8 @@ class Metrics:
         Gauge("gemmaspec_requests_waiting", "Requests queued for a slot", registry=r).set_function(waiting)
         # llama-server's names
         self.l_prompt = Counter("llamacpp:prompt_tokens", "Number of prompt tokens processed", registry=r)
+        self.l_prompt_cached = Counter("llamacpp:prompt_tokens_cached",
+                                       "Number of prompt tokens reused from a slot's cache", registry=r)
         self.l_prompt_s = Counter("llamacpp:prompt_seconds", "Prompt process time in seconds", registry=r)
         self.l_pred = Counter("llamacpp:tokens_predicted", "Number of generation tokens processed", registry=r)
         self.l_pred_s = Counter("llamacpp:tokens_predicted_seconds", "Predict process time in seconds", registry=r)
@@ -57,6 +61,7 @@ class Metrics:
         self.l_accepted_pos = Counter("llamacpp:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position", ["position"], registry=r)
         self._busy = self._decodes = 0
+        self.n_tokens_max = 0  # longest sequence seen (prompt + generated), llama-server's n_tokens_max
         self._sums = {"prompt": 0.0, "prompt_s": 0.0, "pred": 0.0, "pred_s": 0.0}
         sm = self._sums
         Gauge("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s", registry=r).set_function(
@@ -93,6 +98,8 @@ class Metrics:
                                 ("pred", self.l_pred, st.generated_tokens), ("pred_s", self.l_pred_s, st.decode_ms / 1e3)):
             counter.inc(v)
             sm[key] += v
+        self.l_prompt_cached.inc(job.cache_n)
+        self.n_tokens_max = max(self.n_tokens_max, st.prompt_tokens + st.generated_tokens)
         self.l_drafts.inc(st.spec.steps)
         self.l_draft_tokens.inc(st.spec.drafted)
         self.l_accepted.inc(st.spec.accepted)
@@ -103,5 +110,9 @@ class Metrics:
         self.errors.labels(endpoint).inc()
 
     def exposition(self) -> bytes:
-        """The text format Prometheus scrapes."""
-        return generate_latest(self.registry)
+        """The text format Prometheus scrapes (``llamacpp:n_tokens_max`` is written by hand: llama-server
+        types it a counter without the ``_total`` suffix, which prometheus_client always adds)."""
+        return generate_latest(self.registry) + (
+            "# HELP llamacpp:n_tokens_max Largest observed sequence length (prompt + generation)\n"
+            "# TYPE llamacpp:n_tokens_max counter\n"
+            f"llamacpp:n_tokens_max {float(self.n_tokens_max)}\n").encode()

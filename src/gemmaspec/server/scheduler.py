@@ -43,8 +43,9 @@ class Job:
     Attributes:
         prompt_ids: prompt token ids (checked against the context by the caller).
         params: sampling parameters.
-        emit: called from the scheduler thread with ``("events", [Event, ...])``, then exactly one
-            of ``("done", job)`` or ``("error", (http_status, message))``; it must be thread-safe and
+        emit: called from the scheduler thread with ``("progress", {...})`` (only with
+            ``progress``) and ``("events", [Event, ...])``, then exactly one of ``("done", job)`` or
+            ``("error", (http_status, message))``; it must be thread-safe and
             must not block. A cancelled job gets nothing more.
         n_max, n_min: draft length (int or "auto") and minimum proposal length for this request.
         logprobs: None, or how many alternatives to report with each token's log-probability.
@@ -54,6 +55,10 @@ class Job:
         cache_prompt: reuse the KV of the longest prefix a free slot already holds (llama-server's
             ``cache_prompt``); the request goes to the free slot holding the longest one.
         constraint: None, or a fresh :class:`~gemmaspec.grammar.Constraint` the output must follow.
+        post_sampling: with ``logprobs``, probabilities in the sampling distribution instead
+            (llama-server's ``post_sampling_probs``).
+        progress: emit ``("progress", {"total", "cache", "processed", "time_ms"})`` before and after
+            each prefill chunk (llama-server's ``return_progress``).
     After it ends, ``stop_word`` is the stop string that ended it ("" if none) and ``cache_n`` the
     prompt tokens reused from the slot's cache (0: the whole prompt was prefilled).
     """
@@ -69,6 +74,8 @@ class Job:
     want_slot: int = -1
     cache_prompt: bool = True
     constraint: object = None
+    post_sampling: bool = False
+    progress: bool = False
     stop_word: str = ""
     cache_n: int = 0
     stats: RequestStats = field(default_factory=RequestStats)
@@ -92,6 +99,7 @@ class Slot:
     drafter: object
     job: Job | None = None
     served: int = 0  # requests completed in this slot
+    last: Job | None = None  # the last request it finished (llama-server's task_prev)
     cached: list = field(default_factory=list)  # the ids whose KV the cache holds (positions 0..)
 
 
@@ -215,8 +223,10 @@ class Scheduler:
             return sum(s.job is not None for s in self.slots)
 
     def slots_info(self, describe=None) -> list[dict]:
-        """One dict per slot: whether it is busy and with what (``/slots``); ``describe(job or None)``
-        adds fields (the server's llama-server ``params`` and ``next_token``)."""
+        """One dict per slot: whether it is busy and with what (``/slots``); ``describe(job, last)``
+        adds fields for a slot that runs a request (``job``) or has run one (``last``, job None): the
+        server's llama-server ``params`` and ``next_token``; a slot that never ran one has neither,
+        as in llama-server."""
         out = []
         with self._cond:
             for s in self.slots:
@@ -232,7 +242,7 @@ class Scheduler:
                     "draft_n": st.spec.drafted if st else 0,
                     "draft_n_accepted": st.spec.accepted if st else 0,
                     "requests_served": s.served,
-                    **(describe(j) if describe else {}),
+                    **(describe(j, s.last) if describe and (j or s.last) else {}),
                 })
         return out
 
@@ -297,10 +307,16 @@ class Scheduler:
         job = s.job
         try:
             job.state = RequestState(self.engine, job.prompt_ids, job.params, s.drafter, job.n_max, job.n_min,
-                                     job.stats, cache=s.cache, logprobs=job.logprobs, constraint=job.constraint)
+                                     job.stats, cache=s.cache, logprobs=job.logprobs, constraint=job.constraint,
+                                     post_sampling=job.post_sampling)
             reuse = common_prefix(s.cached, job.prompt_ids) if job.cache_prompt else 0
             s.cached = []  # the cache changes from here on
-            events = job.state.prefill(lambda: job.cancelled, reuse)
+            progress = None
+            if job.progress:
+                def progress(total, cache, processed, ms):
+                    if not job.cancelled:
+                        job.emit(("progress", {"total": total, "cache": cache, "processed": processed, "time_ms": ms}))
+            events = job.state.prefill(lambda: job.cancelled, reuse, progress)
             job.cache_n = job.state.reused
         except GemmaspecError as exc:
             self._fail(s, str(exc), status=400)
@@ -369,6 +385,7 @@ class Scheduler:
         with self._cond:
             s.job = None
             s.served += 1
+            s.last = job
         st = job.stats
         if self.metrics is not None:
             self.metrics.record(job)

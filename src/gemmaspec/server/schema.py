@@ -60,6 +60,10 @@ class GenerationRequest(BaseModel):
     stream_options: dict | None = None
     ignore_eos: bool = False
     cache_prompt: bool = True
+    timings_per_token: bool = False  # llama-server's: timings in every streamed chunk
+    return_progress: bool = False  # llama-server's: prompt-processing progress events in a stream
+    verbose: bool = False  # llama-server's: the native result under "__verbose" (OpenAI endpoints)
+    id_slot: int = -1  # llama-server's: run in this slot (-1: any)
 
 
 class CompletionRequest(GenerationRequest):
@@ -70,10 +74,11 @@ class CompletionRequest(GenerationRequest):
 class NativeCompletionRequest(GenerationRequest):
     """llama-server's ``POST /completion``."""
 
-    prompt: str | list[int | str | list[int | str]]
+    prompt: str | dict | list[int | str | dict | list[int | str]]
     n_probs: int = 0
+    post_sampling_probs: bool = False
+    response_fields: list[str] | None = None
     return_tokens: bool = False
-    id_slot: int = -1
 
 
 class ChatMessage(BaseModel):
@@ -88,6 +93,8 @@ class ChatRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 # Fields that change what a client gets and that gemmaspec does not implement: refused with a 400 that
@@ -111,11 +118,13 @@ UNSUPPORTED = {
     "dynatemp_range": (lambda v: v not in (None, 0, 0.0), "dynamic temperature is not supported"),
     "samplers": (_set, "a custom sampler order is not supported (the order is llama.cpp's default)"),
     "n_probs": (lambda v: v not in (None, 0), "n_probs belongs to /completion; use logprobs here"),
+    "post_sampling_probs": (_set, "post_sampling_probs belongs to /completion (with n_probs); logprobs here are the "
+                                  "model's"),
     "lora": (_set, "LoRA adapters are not supported"),
     "audio": (_set, "audio output is not supported"),
     "modalities": (lambda v: v not in (None, ["text"]), "only text output is supported"),
 }
-NATIVE_OK = {"n_probs"}  # fields /completion implements
+NATIVE_OK = {"n_probs", "post_sampling_probs"}  # fields /completion implements
 CHAT_OK = {"tools", "tool_choice"}  # fields chat implements (server/tools.py)
 
 
@@ -175,8 +184,9 @@ async def json_body(request: Request) -> dict:
 
 def _logit_bias(value, vocab: int, tokenizer) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``{"token id": bias}`` or llama-server's ``[[id or text, bias or false], ...]`` →
-    ``((id, bias), ...)``; -100 or less, and ``false``, ban the token (bias -inf); text stands for
-    each of its tokens."""
+    ``((id, bias), ...)``; -100 or less, and ``false``, ban the token (bias -inf); a key that is text
+    (``{"Hello": 5}`` or ``[["Hello", 5]]``, as llama-server takes both) stands for each of its tokens
+    (tokenized as text: no special tokens)."""
     if value is None:
         return ()
     pairs = list(value.items()) if isinstance(value, dict) else value
@@ -195,8 +205,8 @@ def _logit_bias(value, vocab: int, tokenizer) -> tuple[tuple[int, float], ...]:
             ids = [key]
         elif isinstance(key, str) and key.lstrip("-").isdigit():
             ids = [int(key)]
-        elif isinstance(key, str) and isinstance(value, list):
-            ids = tokenizer.encode(key, add_bos=False)
+        elif isinstance(key, str) and key and tokenizer is not None:
+            ids = tokenizer.encode_text(key, add_bos=False)  # as llama-server: no special tokens
         else:
             raise APIError(400, f"logit_bias key {key!r} is not a token id")
         for t in ids:
@@ -206,16 +216,22 @@ def _logit_bias(value, vocab: int, tokenizer) -> tuple[tuple[int, float], ...]:
     return tuple(out.items())
 
 
+MAX_CHOICES = 16
+"""Most choices (``n``) an OpenAI request may ask for."""
+
+
 def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int, default_max: int,
-                    defaults: SamplingParams | None = None, tokenizer=None) -> SamplingParams:
+                    defaults: SamplingParams | None = None, tokenizer=None, max_n: int = 1) -> SamplingParams:
     """The request's :class:`SamplingParams`; unset fields take the server's defaults (``--temp``,
-    ``--seed``, ``-n``...). ``max_tokens`` -1 means until a stop or a full context.
+    ``--seed``, ``-n``...). ``max_tokens`` -1 means until a stop or a full context. ``max_n``: the most
+    choices (``n``) the endpoint takes.
 
     Raises:
         APIError: 400 naming the bad field.
     """
-    if req.n != 1:
-        raise APIError(400, f"only n = 1 is supported (got {req.n})")
+    if req.n != 1 and not (1 <= req.n <= max_n):
+        raise APIError(400, f"n must be in 1..{max_n} (got {req.n})" if max_n > 1 else
+                       f"only n = 1 is supported here (got {req.n})")
     d = defaults or SamplingParams()
     if max_tokens is None:
         max_tokens = req.n_predict
@@ -335,16 +351,43 @@ def grammar_of(body: dict):
         raise APIError(400, str(exc)) from None
 
 
+def _prompt_object(p, where: str = "prompt"):
+    """llama-server's JSON-object prompt ``{"prompt_string": "text"}`` → its text (or mix); images
+    (``multimodal_data``) are refused by name."""
+    if not isinstance(p, dict):
+        return p
+    if p.get("multimodal_data"):
+        raise APIError(400, f"{where}.multimodal_data: images are not supported by gemmaspec (a text-only model)")
+    text = p.get("prompt_string")
+    if not (isinstance(text, str) or isinstance(text, list) and text
+            and all(isinstance(x, (int, str)) and not isinstance(x, bool) for x in text)):
+        raise APIError(400, f"{where}: a prompt object needs 'prompt_string' (the prompt's text)")
+    return text
+
+
 def native_prompts(prompt, engine) -> list[list[int]]:
     """The prompts of a ``/completion`` request, as llama-server reads ``prompt``: text, token ids or a
-    mix of both is one prompt; a list of texts, or a list of such lists, is several (answered with an
-    array of results, in order).
+    mix of both is one prompt, and so is a JSON object ``{"prompt_string": ...}`` holding one; a list
+    of texts (or such objects), or a list of such lists, is several (answered with an array of
+    results, in order).
 
     Raises:
-        APIError: 400 for an empty list, an empty prompt or an id outside the vocabulary.
+        APIError: 400 for an empty list, an empty prompt, an id outside the vocabulary, or a prompt
+            object without ``prompt_string`` or with images (``multimodal_data``).
     """
     if isinstance(prompt, list) and not prompt:
         raise APIError(400, "the prompt is empty")
+    prompt = _prompt_object(prompt)
+    if isinstance(prompt, list) and any(isinstance(p, dict) for p in prompt):  # objects among several prompts
+        if any(isinstance(p, int) for p in prompt):
+            raise APIError(400, "prompt: a prompt object can only stand among other prompts, not among token ids")
+        prompt = [_prompt_object(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if len(prompt) == 1:
+            prompt = prompt[0]
+        elif all(isinstance(p, str) for p in prompt):
+            pass
+        else:
+            prompt = [p if isinstance(p, list) else [p] for p in prompt]
     several = isinstance(prompt, list) and (all(isinstance(p, str) for p in prompt) and len(prompt) > 1
                                              or any(isinstance(p, list) for p in prompt))
     if not several:
@@ -414,10 +457,12 @@ def sse(obj) -> str:
 
 
 def fingerprint() -> str:
-    """``system_fingerprint``: the gemmaspec version that answered."""
+    """``system_fingerprint`` (and ``/props``' ``build_info``), shaped like llama-server's
+    ``b<build>-<commit>`` (clients and llama.cpp's tests check that it starts with ``b``): build 0,
+    then the gemmaspec version that answered, ``b0-gemmaspec-0.1.0``."""
     from .. import __version__
 
-    return f"gemmaspec-{__version__}"
+    return f"b0-gemmaspec-{__version__}"
 
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -464,16 +509,24 @@ class Formatter:
     and ``usage: null`` in the others; False: no usage at all; None, not given: usage in the chunk
     with the finish reason, as llama-server does). ``tools``: the chat request's
     :class:`~gemmaspec.server.tools.ToolSpec` when it may call tools (replies that are calls become
-    ``tool_calls`` with ``finish_reason: "tool_calls"``)."""
+    ``tool_calls`` with ``finish_reason: "tool_calls"``). ``timings_per_token``: ``timings`` (so far)
+    in every streamed chunk, not only the last. ``verbose``: a :class:`NativeFormatter` whose result
+    (llama-server's ``/completion`` object, with the rendered ``prompt``) goes under ``__verbose``, in
+    the whole response or the first of the finishing chunks, as llama-server does with ``--verbose``."""
 
     def __init__(self, kind: str, rid: str, model: str, tokenizer, logprobs: int | None,
-                 include_usage: bool | None = None, tools=None):
+                 include_usage: bool | None = None, tools=None, timings_per_token: bool = False,
+                 verbose: "NativeFormatter | None" = None, index: int = 0):
         self.kind, self.id, self.model, self.tok, self.logprobs = kind, rid, model, tokenizer, logprobs
+        self.index = index  # the choice's index (n > 1: one formatter per choice)
         self.tools = tools
         self.text_of = TokenText(tokenizer)
         self.include_usage = include_usage
+        self.timings_per_token, self.verbose = timings_per_token, verbose
         self.created = int(time.time())
         self.offset = 0  # characters of text so far (completions' text_offset)
+        self.text: list[str] = []  # the streamed text so far (for __verbose)
+        self.n_sent = 0  # tokens streamed so far (a speculative round's tokens arrive together)
 
     def _chat_lp(self, lps) -> dict:
         def entry(tid, lp):
@@ -509,10 +562,10 @@ class Formatter:
 
     def chunk(self, delta: dict | str, finish: str | None, logprobs=None, **extra) -> dict:
         if self.kind == "chat":
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = "text_completion"
         return self._base(obj, [choice], **extra)
 
@@ -520,10 +573,20 @@ class Formatter:
         """Streamed chat's first chunk, as llama-server sends it: the role, no content yet."""
         return self.chunk({"role": "assistant", "content": None}, None)
 
-    def event_chunk(self, ev) -> dict:
+    def event_chunk(self, ev, job: Job | None = None) -> dict:
         lp = self._lp([ev]) if ev.tokens else None
         self.offset += len(ev.text)
-        return self.chunk({"content": ev.text} if self.kind == "chat" else ev.text, None, lp)
+        self.text.append(ev.text)
+        self.n_sent += len(ev.tokens)
+        extra = {"timings": _timings(job, self.n_sent)} if self.timings_per_token and job is not None else {}
+        return self.chunk({"content": ev.text} if self.kind == "chat" else ev.text, None, lp, **extra)
+
+    def progress_chunk(self, progress: dict) -> dict:
+        """llama-server's ``return_progress`` event: ``prompt_progress`` (``total``, ``cache``,
+        ``processed``, ``time_ms``) on an empty delta (with ``timings_per_token``, ``timings`` so far)."""
+        delta = {"role": "assistant", "content": None} if self.kind == "chat" else ""
+        extra = {"timings": _progress_timings(progress)} if self.timings_per_token else {}
+        return self.chunk(delta, None, prompt_progress=progress, **extra)
 
     def tool_calls(self, text: str, job: Job) -> list[dict] | None:
         """The reply's tool calls, or None (no tools, not a call, or cut short before it was complete)."""
@@ -544,15 +607,22 @@ class Formatter:
             out.append(self.chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}, None))
         return out
 
-    def final_chunks(self, job: Job, finish: str | None = None) -> list[dict]:
-        """The chunk with the finish reason (and ``timings``), then the usage chunk if asked for."""
+    def final_chunks(self, job: Job, finish: str | None = None, usage_jobs: list[Job] | None = None) -> list[dict]:
+        """The chunk with the finish reason (and ``timings``), then the usage chunk if asked for.
+        ``usage_jobs``: the jobs whose usage to report (n > 1: all choices', on the last one to
+        finish; ``[]``: no usage here, another choice reports it)."""
         finish = finish or FINISH.get(job.stats.stop_reason, "stop")
         delta = {} if self.kind == "chat" else ""
+        jobs = [job] if usage_jobs is None else usage_jobs
         if self.include_usage is None:
-            return [self.chunk(delta, finish, usage=_usage(job), timings=_timings(job))]
-        out = [self.chunk(delta, finish, timings=_timings(job))]
-        if self.include_usage:
-            out.append(self._base(out[0]["object"], [], usage=_usage(job)))
+            out = [self.chunk(delta, finish, **({"usage": usage_of(jobs)} if jobs else {}))]
+        else:
+            out = [self.chunk(delta, finish)]
+            if self.include_usage and jobs:
+                out.append(self._base(out[0]["object"], [], usage=usage_of(jobs)))
+        out[-1]["timings"] = _timings(job)  # on the last chunk, as llama-server
+        if self.verbose is not None:
+            out[0]["__verbose"] = self.verbose.final([], job, content="".join(self.text), tokens=[])
         return out
 
     def whole(self, events, job: Job) -> dict:
@@ -563,13 +633,16 @@ class Formatter:
             calls = self.tool_calls(text, job)
             message = {"role": "assistant", "content": text} if calls is None else \
                 {"role": "assistant", "content": None, "tool_calls": calls}
-            choice = {"index": 0, "message": message, "logprobs": lp,
+            choice = {"index": self.index, "message": message, "logprobs": lp,
                       "finish_reason": finish if calls is None else "tool_calls"}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
             obj = "text_completion"
-        return self._base(obj, [choice], usage=_usage(job), timings=_timings(job))
+        out = self._base(obj, [choice], usage=_usage(job), timings=_timings(job))
+        if self.verbose is not None:
+            out["__verbose"] = self.verbose.final(events, job)
+        return out
 
 
 STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit"}
@@ -578,26 +651,49 @@ STOP_TYPE = {"eos": "eos", "stop": "word", "length": "limit", "context": "limit"
 class NativeFormatter:
     """llama-server's ``/completion`` response: ``content``, ``tokens``, ``stop``, ``stop_type``,
     ``stopping_word``, ``truncated``, ``generation_settings``, ``tokens_cached``, ``timings`` (with
-    ``cache_n``), and ``completion_probabilities`` when ``n_probs`` > 0."""
+    ``cache_n``), and ``completion_probabilities`` when ``n_probs`` > 0: per token ``id``, ``token``,
+    ``bytes``, ``logprob`` and ``top_logprobs``, or with ``post_sampling_probs`` ``prob`` and
+    ``top_probs`` (probabilities in the sampling distribution). ``timings_per_token``: ``timings`` in
+    every streamed event."""
 
-    def __init__(self, model: str, tokenizer, n_probs: int, return_tokens: bool, settings: dict, prompt: str):
+    def __init__(self, model: str, tokenizer, n_probs: int, return_tokens: bool, settings: dict, prompt: str,
+                 timings_per_token: bool = False, response_fields: list[str] | None = None):
         self.model, self.n_probs, self.return_tokens = model, n_probs, return_tokens
         self.text_of = TokenText(tokenizer)
         self.settings, self.prompt = settings, prompt
+        self.timings_per_token = timings_per_token
+        self.response_fields = response_fields or None
+        self.n_sent = 0  # tokens streamed so far
 
     def _probs(self, events) -> list[dict]:
-        def entry(tid, lp):
+        def entry(tid, v, key):
             s, b = self.text_of(tid)
-            return {"id": tid, "token": s, "bytes": list(b), "logprob": lp}
+            return {"id": tid, "token": s, "bytes": list(b), key: v}
 
-        return [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
-                for e in events if e.logprobs for x in e.logprobs]
+        out = []
+        for e in events:
+            for x in e.logprobs or []:
+                key, top = ("prob", "top_probs") if x.probs else ("logprob", "top_logprobs")
+                out.append({**entry(x.token, x.logprob, key), top: [entry(t, v, key) for t, v in x.top]})
+        return out
 
     def event_chunk(self, ev, job: Job) -> dict:
         out = {"index": 0, "content": ev.text, "tokens": list(ev.tokens), "stop": False, "id_slot": job.slot,
                "tokens_predicted": job.stats.generated_tokens, "tokens_evaluated": job.stats.prompt_tokens}
+        self.n_sent += len(ev.tokens)
+        if self.timings_per_token:
+            out["timings"] = _timings(job, self.n_sent)
         if self.n_probs:
             out["completion_probabilities"] = self._probs([ev])
+        return out
+
+    def progress_chunk(self, progress: dict, job: Job) -> dict:
+        """llama-server's ``return_progress`` event: no text yet, ``prompt_progress`` (and with
+        ``timings_per_token``, ``timings`` so far)."""
+        out = {"index": 0, "content": "", "tokens": [], "stop": False, "id_slot": job.slot, "tokens_predicted": 0,
+               "tokens_evaluated": progress["total"], "prompt_progress": progress}
+        if self.timings_per_token:
+            out["timings"] = _progress_timings(progress)
         return out
 
     def final(self, events, job: Job, content: str | None = None, tokens=None) -> dict:
@@ -613,24 +709,59 @@ class NativeFormatter:
         out["has_new_line"] = "\n" in out["content"]
         if self.n_probs and content is None:
             out["completion_probabilities"] = self._probs(events)
+        if self.response_fields:  # llama-server's: only these fields, nested ones by path ("a/b")
+            out = {path: v for path, v in ((p, _at_path(out, p)) for p in self.response_fields) if v is not _MISSING}
         return out
 
 
+_MISSING = object()
+
+
+def _at_path(obj, path: str):
+    """The value at ``a/b/c`` in nested dicts, or ``_MISSING``."""
+    for key in path.split("/"):
+        if not isinstance(obj, dict) or key not in obj:
+            return _MISSING
+        obj = obj[key]
+    return obj
+
+
 def _usage(job: Job) -> dict:
-    st = job.stats
-    return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.generated_tokens,
-            "total_tokens": st.prompt_tokens + st.generated_tokens}
+    return usage_of([job])
 
 
-def _timings(job: Job) -> dict:
-    """llama-server's ``timings``: prompt = prefill; predicted = decoding after the first token."""
+def usage_of(jobs: list[Job]) -> dict:
+    """OpenAI's ``usage`` for the choices of one request (n > 1: the prompt counted once)."""
+    prompt, done = jobs[0].stats.prompt_tokens, sum(j.stats.generated_tokens for j in jobs)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+def _progress_timings(progress: dict) -> dict:
+    """``timings`` while the prompt is still being prefilled: nothing predicted yet."""
+    n, ms = progress["processed"] - progress["cache"], progress["time_ms"]
+    return {"prompt_n": n, "prompt_ms": ms, "prompt_per_token_ms": ms / n if n else 0.0,
+            "prompt_per_second": n / (ms / 1e3) if n and ms > 0 else 0.0, "predicted_n": 0, "predicted_ms": 0.0,
+            "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0, "cache_n": progress["cache"], "draft_n": 0,
+            "draft_n_accepted": 0, "ttft_ms": 0.0}
+
+
+def _timings(job: Job, n_sent: int | None = None) -> dict:
+    """llama-server's ``timings``: prompt = prefill; predicted = decoding after the first token (while
+    the request runs: so far; ``n_sent``: the tokens streamed so far, which a speculative round's
+    events reach one by one)."""
     st = job.stats
     pn, gn = st.prompt_tokens - job.cache_n, st.generated_tokens  # prompt_n: tokens prefilled (llama-server's)
+    if n_sent is not None:
+        gn = min(gn, n_sent)
+    decode_ms, s = st.decode_ms, job.state
+    if s is not None and not s.done and s._t1:  # still running: decode time up to the last round
+        decode_ms = (s._t_last - s._t1) * 1e3
     return {
         "prompt_n": pn, "prompt_ms": st.prefill_ms,
         "prompt_per_token_ms": st.prefill_ms / pn if pn else 0.0, "prompt_per_second": st.prefill_tps,
-        "predicted_n": gn, "predicted_ms": st.decode_ms,
-        "predicted_per_token_ms": st.decode_ms / (gn - 1) if gn > 1 else 0.0, "predicted_per_second": st.decode_tps,
+        "predicted_n": gn, "predicted_ms": decode_ms,
+        "predicted_per_token_ms": decode_ms / (gn - 1) if gn > 1 else 0.0,
+        "predicted_per_second": (gn - 1) / (decode_ms / 1e3) if gn > 1 and decode_ms > 0 else 0.0,
         "cache_n": job.cache_n, "draft_n": st.spec.drafted, "draft_n_accepted": st.spec.accepted,
         "ttft_ms": job.ttft_ms,
     }
