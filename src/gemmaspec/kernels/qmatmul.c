@@ -237,7 +237,15 @@ static inline void super_scales(const int fmt, const uint8_t *w, int sb, float k
     } else if (fmt == FMT_Q6_K) {
         const uint8_t *blk = w + (long)sb * Q6_K_BYTES;
         const float d = f16_to_f32(blk + 208);
+#if defined(GS_AVX512) || defined(GS_AVX2)
+        /* the same 16 products, 8 at a time */
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256 dv = _mm256_set1_ps(d);
+        _mm256_storeu_ps(ks, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+        _mm256_storeu_ps(ks + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+#else
         for (int j = 0; j < 16; j++) ks[j] = d * (float)(int8_t)blk[192 + j];
+#endif
     }
 }
 
