@@ -209,9 +209,9 @@ static inline int fmt_unrolled(const int fmt) { return fmt == FMT_Q6_K ? 16 : fm
  * 12). Q5_0 gains at 2 threads (a Q5_0 matrix from DRAM: 9 -> 12 GB/s); decode of the default model
  * (Q8_0 head, Q5_0/Q4_K/Q6_K layers), medians of 3: 33.3 -> 37.1 tokens/s at 1 thread, 48.6 -> 50.8 at
  * 2 with Q5_0 added; Q4_0 lost (17.5 -> 12.3 GB/s at 2 threads), Q4_K and Q6_K changed nothing
- * measurable, and M >= 3 lost. The order of
- * operations of a (row, m) result is the same either way, so the bits are. GS_ONE_ROW_FMTS (a bit
- * mask of formats) overrides the choice at build time (GEMMASPEC_CFLAGS) for tuning. */
+ * measurable, and M >= 3 lost. The order of operations of a (row, m) result is the same either way,
+ * so the bits are. GS_ONE_ROW_FMTS (a bit mask of formats) overrides the choice at build time
+ * (GEMMASPEC_CFLAGS) for tuning. */
 static inline int fmt_one_row(const int fmt, const int M) { return M <= 2 && ((GS_ONE_ROW_FMTS >> fmt) & 1); }
 
 /* for each group-block b < nb, in order (see fmt_unrolled). */
@@ -805,12 +805,14 @@ static inline __attribute__((always_inline)) void tile_portable(const int fmt, c
 static inline __attribute__((always_inline)) void tile_dispatch(const int fmt, const void *const wr[NR],
                                                                 const float *const sr[NR], int K, int G,
                                                                 const float *x, long ldx, int M, float *res) {
-#if defined(GS_AVX2) || defined(GS_NEON)
-#ifdef GS_AVX2
+#if defined(GS_AVX512)
+#define TILE tile_dot
+#elif defined(GS_AVX2)
 #define TILE tile_avx2
-#else
+#elif defined(GS_NEON)
 #define TILE tile_neon
 #endif
+#ifdef TILE /* every SIMD tile function: (fmt, wr, sr, R, K, G, x, ldx, M, res) */
     if (fmt_one_row(fmt, M)) { /* one weight row at a time (see fmt_one_row) */
         for (int r = 0; r < NR; r++) {
             if (M == 1) TILE(fmt, wr + r, sr + r, 1, K, G, x, ldx, 1, res + r * RS);
@@ -818,6 +820,8 @@ static inline __attribute__((always_inline)) void tile_dispatch(const int fmt, c
         }
         return;
     }
+#endif
+#if defined(GS_AVX2) || defined(GS_NEON)
     switch (M) { /* M <= MCHUNK = 4; R * M <= 4 keeps the accumulators in registers */
         case 1: TILE(fmt, wr, sr, 4, K, G, x, ldx, 1, res); break;
         case 2:
@@ -847,13 +851,6 @@ static inline __attribute__((always_inline)) void tile_dispatch(const int fmt, c
             }
             for (int r = 0; r < 2; r++)
                 for (int m = 0; m < M; m++) res[(r0 + r) * RS + m] = w[r * MW + m];
-        }
-        return;
-    }
-    if (fmt_one_row(fmt, M)) { /* one weight row at a time: the weights are read as one sequential stream */
-        for (int r = 0; r < NR; r++) {
-            if (M == 1) tile_dot(fmt, wr + r, sr + r, 1, K, G, x, ldx, 1, res + r * RS);
-            else tile_dot(fmt, wr + r, sr + r, 1, K, G, x, ldx, 2, res + r * RS);
         }
         return;
     }
