@@ -21,11 +21,12 @@ llama-cpp-python (``llama_quantize.py``) and cached in ``$GEMMASPEC_HOME/bench``
 
     python benchmarks/decode.py [--model PATH] [--threads N[,N...]] [--all-q4_0] [--n 128] [--repeats 3]
                                 [--load quiet|busy|both] [--prompts code,prose,qa] [--isa avx512,avx2]
-                                [--out decode] [--no-llama] [--build-llama]
+                                [--act-quant none,q8_0] [--out decode] [--no-llama] [--build-llama]
 
 ``--isa avx512,avx2`` measures several kernel paths side by side (``GEMMASPEC_ISA`` per run): on an AVX-512
 machine the AVX2 path is what an AVX2-only CPU of the same core would run (llama.cpp stays built for this
-CPU). Writes benchmarks/results/<out>.json (machine: CPU model and SIMD flags) and <out>.md.
+CPU). ``--act-quant none,q8_0`` measures the fp32-activation products and the int8-activation ones
+(``gemmaspec --act-quant``) side by side. Writes benchmarks/results/<out>.json (machine: CPU model and SIMD flags) and <out>.md.
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ def model_bytes(path) -> dict:
     return b
 
 
-def ours(model, prompt, n, threads, isa=None):
-    """One cold ``gemmaspec generate`` run; ``isa`` forces the kernel path (``GEMMASPEC_ISA``), None = auto."""
-    env = None if isa is None else {**os.environ, "GEMMASPEC_ISA": isa}
+def ours(model, prompt, n, threads, variant=(None, None)):
+    """One cold ``gemmaspec generate`` run; ``variant`` = (isa, act): ``isa`` forces the kernel path
+    (``GEMMASPEC_ISA``), ``act`` the activation mode (``GEMMASPEC_ACT_QUANT``); None = the default."""
+    isa, act = variant
+    env = {**os.environ, **({"GEMMASPEC_ISA": isa} if isa else {}), **({"GEMMASPEC_ACT_QUANT": act} if act else {})}
     r = run_cold([sys.executable, "-m", "gemmaspec", "generate", "-m", str(model), "-p", prompt, "-n", str(n),
                   "--temp", "0", "--ignore-eos", "-t", str(threads), "--spec-type", "none", "--json"], env=env)
     s = json.loads(r["stdout"].rstrip("\n").rsplit("\n", 1)[-1])  # --json: the stats are the last stdout line
@@ -99,13 +102,13 @@ def llama(py, model, prompt, n, threads):
     return d
 
 
-def engine_name(isa) -> str:
-    return "gemmaspec" if isa is None else f"gemmaspec {isa}"
+def engine_name(variant) -> str:
+    return " ".join(["gemmaspec"] + [v for v in variant if v])
 
 
-def measure(py, model, prompts, n, threads, repeats, isas=(None,)) -> dict:
-    """{prompt kind: {engine: [run dicts]}}, engines (each kernel path in ``isas``, then llama.cpp) taking
-    turns within each repeat."""
+def measure(py, model, prompts, n, threads, repeats, isas=((None, None),)) -> dict:
+    """{prompt kind: {engine: [run dicts]}}, engines (each (kernel path, activation mode) in ``isas``,
+    then llama.cpp) taking turns within each repeat."""
     raw = {}
     for kind in prompts:
         runs = raw.setdefault(kind, {engine_name(i): [] for i in isas} | ({"llama.cpp": []} if py else {}))
@@ -151,6 +154,9 @@ def main():
     ap.add_argument("--isa", default=None,
                     help="kernel paths to measure side by side, comma-separated (avx512, avx2, neon, portable: those "
                          "this CPU runs; sets GEMMASPEC_ISA per run); default: the best this CPU has")
+    ap.add_argument("--act-quant", default=None,
+                    help="comma-separated activation modes to measure side by side (none,q8_0; GEMMASPEC_ACT_QUANT "
+                         "per run; default: none only)")
     ap.add_argument("--out", default="decode", help="results name under benchmarks/results (default decode)")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     ap.add_argument("--build-llama", action="store_true",
@@ -160,7 +166,8 @@ def main():
     if any(p not in PROMPTS for p in prompts):
         ap.error(f"--prompts: choose from {', '.join(PROMPTS)} (got {a.prompts})")
     thread_list = [int(t) for t in a.threads.split(",")] if a.threads else [physical_cores()]
-    isas = tuple(i.strip() for i in a.isa.split(",")) if a.isa else (None,)
+    acts = tuple(None if i.strip() == "none" else i.strip() for i in a.act_quant.split(",")) if a.act_quant else (None,)
+    isas = tuple((i, act) for i in (tuple(i.strip() for i in a.isa.split(",")) if a.isa else (None,)) for act in acts)
     threads = max(thread_list)
     model = a.model or default_model_path()
     py = None

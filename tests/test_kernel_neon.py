@@ -33,7 +33,7 @@ def harness(tmp_path_factory):
     return exe, ref
 
 
-def run_neon(exe: Path, w: kernels.BlockWeight, x: np.ndarray, threads: int) -> np.ndarray:
+def run_neon(exe: Path, w: kernels.BlockWeight, x: np.ndarray, threads: int, q8: bool = False) -> np.ndarray:
     (fmt, raw, s, o, g, n), = w._segments()
     k, m = w.shape[1], x.shape[0]
     xg = w._offset_group() or 0
@@ -42,7 +42,8 @@ def run_neon(exe: Path, w: kernels.BlockWeight, x: np.ndarray, threads: int) -> 
     body += [t.numpy().tobytes() for t in (s, o) if t is not None]
     inp, out = exe.with_suffix(".in"), exe.with_suffix(".out")
     inp.write_bytes(header + b"".join(body) + x.tobytes())
-    subprocess.run([QEMU, str(exe), str(inp), str(out)], check=True, capture_output=True, timeout=120)
+    subprocess.run([QEMU, str(exe), str(inp), str(out)] + (["q8"] if q8 else []), check=True, capture_output=True,
+                   timeout=120)
     data = out.read_bytes()
     assert data[m * n * 4:] == b"neon"  # the NEON path really ran
     return np.frombuffer(data[:m * n * 4], np.float32).reshape(m, n)
@@ -66,3 +67,16 @@ def test_neon_path_equals_the_portable_reference(harness, qtype):
         assert np.array_equal(bits(run_neon(exe, w, x, threads)), bits(want)), (qtype, n, k, m)
         if not qtype.startswith("int8"):  # and the stored form equals its int8 form on the portable path
             assert np.array_equal(bits(product(ref, as_int8(w.raw.numpy(), qtype, k), x, threads)), bits(want))
+
+
+@pytest.mark.parametrize("qtype", kernels.STORED_TYPES + ("int8-32-offsets",))
+def test_neon_int8_activation_path_equals_the_portable_reference(harness, qtype):
+    from test_kernel_q8 import q8_product, weight
+
+    exe, ref = harness
+    rng = np.random.default_rng(12)
+    for n, k, m, threads in ((1, 256, 1, 1), (67, 512, 3, 2), (70, 256, 16, 2)):
+        w = weight(rng, qtype, n, k)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        assert np.array_equal(bits(run_neon(exe, w, x, threads, q8=True)), bits(q8_product(ref, w, x, threads))), \
+            (qtype, n, k, m)

@@ -85,6 +85,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="context size in tokens (0 = the model's; default 4096 or the model's, if smaller)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default auto)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: the physical cores this process may use)")
+    p.add_argument("--act-quant", default=None, choices=["none", "q8_0"],
+                   help="activations of the CPU kernel's decode/verify products: none = fp32 (default; matches "
+                        "transformers to ~1e-6), q8_0 = int8 per 32 values with integer dot products, llama.cpp's "
+                        "CPU numerics (faster where the fp32 products are compute-bound; env GEMMASPEC_ACT_QUANT)")
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", default=None, metavar="N",
                    help="accepted for llama.cpp compatibility and ignored: the whole model runs on --device")
     _refuse(p, LLAMA_FLAGS_REFUSED)
@@ -239,6 +243,10 @@ def check_common(args) -> None:
     ctx = getattr(args, "ctx_size", None)
     if ctx is not None and (ctx < 0 or ctx == 1):
         raise InputError(f"-c must be 0 (the model's context) or at least 2 (got {ctx})")
+    if getattr(args, "act_quant", None) is not None:
+        from . import kernels
+
+        kernels.set_act_quant(args.act_quant)
     if getattr(args, "gpu_layers", None) is not None:
         print(f"note: -ngl {args.gpu_layers} ignored: gemmaspec does not split layers between devices, the whole "
               "model runs on --device (auto: CUDA when PyTorch sees a GPU, else CPU)", file=sys.stderr)

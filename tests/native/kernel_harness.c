@@ -4,7 +4,8 @@
  * Input (little-endian): int32 fmt, N, K, G, M, nthreads, has_s, has_o, xsum_g; int64 w_bytes; then
  * w_bytes bytes of weights, [N, K/G] fp32 scales if has_s, [N, K/G] fp32 offsets if has_o,
  * [M, K] fp32 x. xsum_g > 0: the harness computes block sums of x over xsum_g values (gs_block_sums).
- * Output: [M, N] fp32 y, then the path name (gs_isa). */
+ * Output: [M, N] fp32 y, then the path name (gs_isa). A third argument "q8": the int8-activation product
+ * (gs_qmatmul_multi_q8). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +16,9 @@ void gs_block_sums(const float *x, int M, int K, int G, float *xsum);
 void gs_qmatmul_multi(int nseg, const int *fmts, const void *const *ws, const float *const *ss,
                       const float *const *os, const int *Gs, const int *Ns, int K, const float *x,
                       const float *xsum, int M, float *y, int nthreads);
+void gs_qmatmul_multi_q8(int nseg, const int *fmts, const void *const *ws, const float *const *ss,
+                         const float *const *os, const int *Gs, const int *Ns, int K, const float *x,
+                         const float *xsum, int M, float *y, int nthreads);
 
 static void *take(FILE *f, size_t n) {
     void *p = malloc(n ? n : 1);
@@ -26,7 +30,8 @@ static void *take(FILE *f, size_t n) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3) return 2;
+    if (argc != 3 && argc != 4) return 2;
+    const int q8 = argc == 4 && strcmp(argv[3], "q8") == 0; /* int8 activations (qdot8.h) */
     FILE *f = fopen(argv[1], "rb");
     if (!f) return 2;
     int32_t *h = take(f, 9 * 4);
@@ -44,7 +49,7 @@ int main(int argc, char **argv) {
         gs_block_sums(x, M, K, xg, xsum);
     }
     float *y = malloc((size_t)M * N * 4);
-    gs_qmatmul_multi(1, &fmt, &w, &s, &o, &G, &N, K, x, xsum, M, y, nt);
+    (q8 ? gs_qmatmul_multi_q8 : gs_qmatmul_multi)(1, &fmt, &w, &s, &o, &G, &N, K, x, xsum, M, y, nt);
     FILE *out = fopen(argv[2], "wb");
     fwrite(y, 4, (size_t)M * N, out);
     fputs(gs_isa(), out);

@@ -12,8 +12,9 @@ kernel (Q4_1, Q5_1, Q5_K) are held. Both multiply with the same bits for the sam
 
 Products with few rows (decode, speculative verify: M <= ``SMALL_M``) run in ``qmatmul.c``, a C
 kernel compiled once per machine into the gemmaspec cache with the system C compiler (``cc``); it
-reads the weights straight from memory and multiplies them with fp32 activations (activations
-are never quantized). Larger products (prefill) dequantize a tile of rows at a time into a reused
+reads the weights straight from memory and multiplies them with fp32 activations, or, in the opt-in
+mode of :func:`set_act_quant` (``--act-quant q8_0``), with activations quantized to int8 per 32 values
+(llama.cpp's scheme; ``qdot8.h``). Larger products (prefill) dequantize a tile of rows at a time into a reused
 fp32 buffer and use PyTorch's matmul. Without a C compiler, or with ``GEMMASPEC_NO_KERNELS=1``, every product uses the
 dequantized fp32 matrix, kept in memory: correct, slower, four times the memory.
 """
@@ -75,6 +76,44 @@ def ops_on_one_thread():
         if before != 1:
             torch.set_num_threads(before)
         _threads = saved
+
+
+ACT_QUANTS = ("none", "q8_0")  # activations of the kernel's products: fp32, or int8 per 32 values
+
+
+def _env_act_quant() -> bool:
+    mode = os.environ.get("GEMMASPEC_ACT_QUANT", "none").strip().lower() or "none"
+    if mode not in ACT_QUANTS:
+        log.warning("gemmaspec: GEMMASPEC_ACT_QUANT=%s is not one of %s; using none", mode, ", ".join(ACT_QUANTS))
+        return False
+    return mode == "q8_0"
+
+
+_act_q8 = _env_act_quant()
+
+
+def set_act_quant(mode: str) -> None:
+    """How the C kernel's few-row products (decode, speculative verify, drafting) treat activations:
+    ``"none"`` (the default) multiplies fp32 activations, bit-identical to the int8-level reference and
+    matching transformers to ~1e-6; ``"q8_0"`` quantizes each row of x to int8 per 32 values (one fp32
+    step per block) and uses integer dot products (AVX-512 VNNI, AVX2, NEON), llama.cpp's CPU scheme:
+    less work per weight, results within the rounding of x (relative ~1e-2 per product) of the fp32
+    ones (``qdot8.h`` documents the arithmetic). Either mode is batch-invariant, so speculative decoding
+    stays lossless within it. Many-row products (prefill) keep fp32 activations. ``GEMMASPEC_ACT_QUANT``
+    sets the initial mode.
+
+    Raises:
+        ValueError: a mode not in :data:`ACT_QUANTS`.
+    """
+    global _act_q8
+    if mode not in ACT_QUANTS:
+        raise ValueError(f"--act-quant {mode!r}: choose one of {', '.join(ACT_QUANTS)}")
+    _act_q8 = mode == "q8_0"
+
+
+def act_quant() -> str:
+    """The current activation mode (see :func:`set_act_quant`)."""
+    return "q8_0" if _act_q8 else "none"
 
 
 _lib = None
@@ -191,6 +230,8 @@ def matmul_library(isa: str = "auto"):
     sigs = {
         "gs_qmatmul": [P, P, P, I, I, I, P, P, I, P, I],
         "gs_qmatmul_multi": [I, P, P, P, P, P, P, I, P, P, I, P, I],
+        "gs_qmatmul_multi_q8": [I, P, P, P, P, P, P, I, P, P, I, P, I],
+        "gs_quantize_act": [P, I, I, P, P],
         "gs_qmatmul_stored": [I, P, I, I, P, P, I, P, I],
         "gs_dequant_rows": [I, P, P, P, I, I, I, I, P, I],
         "gs_dequant_ids": [I, P, P, P, I, P, I, I, P],
@@ -259,14 +300,14 @@ class CPUBlockWeight(BlockWeight):
         if plan is not None and x.device.type == "cpu":
             # the decode path, kept short (a step makes ~70 of these calls): shapes, kernel arguments
             # and the library were settled by the first call
-            lib, n, k, args = plan
+            fns, n, k, args = plan
             x2 = x.reshape(-1, k)
             if x2.dtype != torch.float32 or not x2.is_contiguous():
                 x2 = x2.float().contiguous()
             m = x2.shape[0]
             if m <= SMALL_M:
                 y = torch.empty(m, n, dtype=torch.float32)
-                lib.gs_qmatmul_multi(*args, k, x2.data_ptr(), None, m, y.data_ptr(), threads())
+                fns[_act_q8](*args, k, x2.data_ptr(), None, m, y.data_ptr(), threads())
                 return y.view(*x.shape[:-1], n)
         return self._call(x)
 
@@ -283,7 +324,7 @@ class CPUBlockWeight(BlockWeight):
             return self._tiled(lib, x2).view(*lead, n)
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
         self._small(lib, x2, y)
-        self._plan = (lib, n, k, self._kernel_args[0])
+        self._plan = ((lib.gs_qmatmul_multi, lib.gs_qmatmul_multi_q8), n, k, self._kernel_args[0])
         return y.view(*lead, n)
 
     def _small(self, lib, x2: torch.Tensor, y: torch.Tensor) -> None:
@@ -302,7 +343,8 @@ class CPUBlockWeight(BlockWeight):
                 arr(ctypes.c_int, [s[4] for s in segs]), arr(ctypes.c_int, [s[5] for s in segs])),
                 self._offset_group())
         # the kernel computes the block sums of x that offsets (Q4_K) need itself (xsum NULL)
-        lib.gs_qmatmul_multi(*cached[0], k, _ptr(x2), None, m, _ptr(y), threads())
+        fn = lib.gs_qmatmul_multi_q8 if _act_q8 else lib.gs_qmatmul_multi
+        fn(*cached[0], k, _ptr(x2), None, m, _ptr(y), threads())
 
     def _dequant_rows(self, lib, n0: int, n1: int, out: torch.Tensor) -> None:
         """Rows n0..n1-1 of W into float32 ``out`` [>= n1 - n0, K] (the C kernel's dequantizer)."""

@@ -1,7 +1,8 @@
 /*
  * gemmaspec CPU kernels: products of fp32 activations with block-quantized weights, read as stored.
  *
- * y[m, n] = sum_k x[m, k] * W[n, k]   (fp32 accumulation; activations are never quantized).
+ * y[m, n] = sum_k x[m, k] * W[n, k]   (fp32 accumulation; fp32 activations, or int8 ones in the
+ * opt-in products of qdot8.h).
  *
  * Weight formats (fmt), each holding row n of W (output feature n, along the input dim K):
  *   FMT_I8   int8 levels q [N, K], fp32 scale [N, K/G] and optional fp32 offset [N, K/G], G = 16 or 32:
@@ -25,7 +26,8 @@
  * Paths: AVX-512F when the compiler targets it (and GS_NO_AVX512 is not defined), else AVX2+FMA,
  * else ARM NEON (AArch64), else portable C (also forced with -DGS_PORTABLE). All keep the order above,
  * so they agree bit for bit. (Dot-product instructions such as AVX-512 VNNI or ARM's dotprod multiply
- * int8 by int8; with fp32 activations they do not apply.) gemmaspec.kernels builds with -march=native;
+ * int8 by int8; with fp32 activations they do not apply. They do in the opt-in int8-activation
+ * products, gs_qmatmul_multi_q8, qdot8.h: llama.cpp's numerics, same bits on every path too.) gemmaspec.kernels builds with -march=native;
  * GEMMASPEC_ISA=avx2 adds -mno-avx512f so the AVX2 path can be built and measured on an AVX-512 CPU.
  * Block formats: ggml's ggml-common.h, as documented by the gguf package (gguf/quants.py).
  */
@@ -863,6 +865,8 @@ static inline __attribute__((always_inline)) void tile_dispatch(const int fmt, c
 #endif
 }
 
+#include "qdot8.h" /* the int8-activation products (opt-in) */
+
 /* One weight matrix of a product: rows in format fmt (s, o: FMT_I8's scales and offsets, else NULL),
  * N rows, written to columns col .. col + N - 1 of y. */
 typedef struct {
@@ -876,6 +880,7 @@ typedef struct {
  * G-value blocks (only read when it has offsets). y has ldy columns. */
 static inline __attribute__((always_inline)) void qmatmul_tile(const int fmt, const gs_segment *sg, int K,
                                                                const float *x, const float *xsum, int M,
+                                                               const int8_t *aq, const float *da,
                                                                float *y, long ldy, int t) {
     const int G = fmt_group(fmt, sg->G), nb = K / G, N = sg->N;
     const long stride = row_bytes(fmt, K);
@@ -892,7 +897,8 @@ static inline __attribute__((always_inline)) void qmatmul_tile(const int fmt, co
                 sr[r] = sg->s ? sg->s + row * nb : NULL;
             }
             float res[NR * RS], off[RS];
-            tile_dispatch(fmt, wr, sr, K, G, x + (long)m0 * K, K, mm, res);
+            if (aq) tile_q8_dispatch(fmt, wr, sr, K, aq + (long)m0 * K, da + (long)m0 * (K / 32), mm, res);
+            else tile_dispatch(fmt, wr, sr, K, G, x + (long)m0 * K, K, mm, res);
             for (int r = 0; r < NR && n + r < n1; r++) {
                 if (offs)
                     offsets_term(fmt, wr[r], sg->o ? sg->o + (long)(n + r) * nb : NULL, nb, xsum + (long)m0 * nb, mm,
@@ -904,15 +910,16 @@ static inline __attribute__((always_inline)) void qmatmul_tile(const int fmt, co
     }
 }
 
-static void run_tile(const gs_segment *sg, int K, const float *x, const float *xsum, int M, float *y, long ldy,
-                     int t) {
+static void run_tile(const gs_segment *sg, int K, const float *x, const float *xsum, int M, const int8_t *aq,
+                     const float *da, float *y, long ldy, int t) {
+    if (aq && !q8_supported(sg->fmt, sg->G)) aq = NULL, da = NULL; /* fp32 activations for this segment */
     switch (sg->fmt) {
-        case FMT_Q4_0: qmatmul_tile(FMT_Q4_0, sg, K, x, xsum, M, y, ldy, t); break;
-        case FMT_Q8_0: qmatmul_tile(FMT_Q8_0, sg, K, x, xsum, M, y, ldy, t); break;
-        case FMT_Q5_0: qmatmul_tile(FMT_Q5_0, sg, K, x, xsum, M, y, ldy, t); break;
-        case FMT_Q4_K: qmatmul_tile(FMT_Q4_K, sg, K, x, xsum, M, y, ldy, t); break;
-        case FMT_Q6_K: qmatmul_tile(FMT_Q6_K, sg, K, x, xsum, M, y, ldy, t); break;
-        default: qmatmul_tile(FMT_I8, sg, K, x, xsum, M, y, ldy, t);
+        case FMT_Q4_0: qmatmul_tile(FMT_Q4_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
+        case FMT_Q8_0: qmatmul_tile(FMT_Q8_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
+        case FMT_Q5_0: qmatmul_tile(FMT_Q5_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
+        case FMT_Q4_K: qmatmul_tile(FMT_Q4_K, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
+        case FMT_Q6_K: qmatmul_tile(FMT_Q6_K, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
+        default: qmatmul_tile(FMT_I8, sg, K, x, xsum, M, aq, da, y, ldy, t);
     }
 }
 
@@ -926,13 +933,15 @@ typedef struct {
     int M;
     float *y;
     int col;
+    const int8_t *aq; /* int8 activations (qdot8.h) or NULL */
+    const float *da;
 } gs_multi_job;
 
 static void multi_task(void *ctx, int t) {
     const gs_multi_job *j = (const gs_multi_job *)ctx;
     int i = 0;
     while (t >= j->first[i + 1]) i++;
-    run_tile(&j->sg[i], j->K, j->x, j->xsum, j->M, j->y, j->col, t - j->first[i]);
+    run_tile(&j->sg[i], j->K, j->x, j->xsum, j->M, j->aq, j->da, j->y, j->col, t - j->first[i]);
 }
 
 /* y [M, sum of N] fp32 = x [M, K] fp32 @ [W_0; W_1; ...]^T for nseg weight matrices of the same K in
@@ -940,9 +949,9 @@ static void multi_task(void *ctx, int t) {
  * in y; one parallel loop over the tiles of all of them. xsum [M, K/G]: gs_block_sums of x over the G
  * of the segments with offsets (Q4_K: 32, or FMT_I8 with o; all the same G), or NULL: computed here
  * when a segment needs it. K: a multiple of each format's block (32; 256 for Q4_K, Q6_K). At most 8 segments. */
-void gs_qmatmul_multi(int nseg, const int *fmts, const void *const *ws, const float *const *ss,
-                      const float *const *os, const int *Gs, const int *Ns, int K, const float *x,
-                      const float *xsum, int M, float *y, int nthreads) {
+static void qmatmul_multi(int nseg, const int *fmts, const void *const *ws, const float *const *ss,
+                          const float *const *os, const int *Gs, const int *Ns, int K, const float *x,
+                          const float *xsum, int M, float *y, int nthreads, int act_q8) {
     gs_segment sg[8];
     int first[9], col = 0;
     first[0] = 0;
@@ -965,9 +974,35 @@ void gs_qmatmul_multi(int nseg, const int *fmts, const void *const *ws, const fl
             xsum = own;
         }
     }
-    gs_multi_job job = {sg, first, nseg, K, x, xsum, M, y, col};
+    int8_t *aq = NULL;
+    float *da = NULL;
+    if (act_q8 && K % 32 == 0) { /* int8 activations, quantized once for every segment */
+        aq = (int8_t *)malloc((size_t)M * (size_t)K + 4 + sizeof(float) * (size_t)M * (size_t)(K / 32));
+        if (!aq) {
+            free(own);
+            return;
+        }
+        da = (float *)(aq + (size_t)M * (size_t)K + (4 - (size_t)M * (size_t)K % 4) % 4);
+        gs_quantize_act(x, M, K, aq, da);
+    }
+    gs_multi_job job = {sg, first, nseg, K, x, xsum, M, y, col, aq, da};
     gs_parallel(first[nseg], nthreads, multi_task, &job);
+    free(aq);
     free(own);
+}
+
+void gs_qmatmul_multi(int nseg, const int *fmts, const void *const *ws, const float *const *ss,
+                      const float *const *os, const int *Gs, const int *Ns, int K, const float *x,
+                      const float *xsum, int M, float *y, int nthreads) {
+    qmatmul_multi(nseg, fmts, ws, ss, os, Gs, Ns, K, x, xsum, M, y, nthreads, 0);
+}
+
+/* gs_qmatmul_multi with int8 activations (qdot8.h): x is quantized per 32 values first; segments without
+ * an int8 path (FMT_I8 with G = 16) keep fp32 activations. */
+void gs_qmatmul_multi_q8(int nseg, const int *fmts, const void *const *ws, const float *const *ss,
+                         const float *const *os, const int *Gs, const int *Ns, int K, const float *x,
+                         const float *xsum, int M, float *y, int nthreads) {
+    qmatmul_multi(nseg, fmts, ws, ss, os, Gs, Ns, K, x, xsum, M, y, nthreads, 1);
 }
 
 /* xsum[m, b] = sum of x[m, b*G : (b+1)*G]; needed only when offsets are present. */

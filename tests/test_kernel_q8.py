@@ -1,0 +1,188 @@
+"""Products with int8 activations (``--act-quant q8_0``, ``qdot8.h``): every instruction-set path gives
+the portable reference's bits for every stored format and the int8 form, each row of x gives the same
+bits alone or with others (so speculative verify rows equal decode rows), the reference is the exact
+product of the quantized activations up to float rounding, and greedy speculative decoding on the real
+model equals plain decoding in this mode."""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_stored_weights import F16_AT, random_blocks  # noqa: F401  (F16_AT: the blocks' fp16 fields)
+
+from gemmaspec import kernels
+
+SIMD = [isa for isa in ("avx2", "avx512") if kernels.cpu_supports(isa)]
+FORMATS = kernels.STORED_TYPES + ("int8-32", "int8-32-offsets")
+
+
+@pytest.fixture(scope="module")
+def libs():
+    ref = kernels.matmul_library("portable")
+    if ref is None:
+        pytest.skip("no C compiler: kernels fall back to torch")
+    return ref, {isa: kernels.matmul_library(isa) for isa in SIMD}
+
+
+def weight(rng, fmt: str, n: int, k: int) -> kernels.BlockWeight:
+    if fmt.startswith("int8"):
+        q = torch.from_numpy(rng.integers(-128, 128, (n, k), dtype=np.int8))
+        s = torch.from_numpy(rng.standard_normal((n, k // 32)).astype(np.float32))
+        o = torch.from_numpy(rng.standard_normal((n, k // 32)).astype(np.float32)) if "offsets" in fmt else None
+        return kernels.QuantizedWeight(q, s, o, 32)
+    return kernels.StoredWeight(torch.from_numpy(random_blocks(rng, fmt, n, k)), fmt, k)
+
+
+def q8_product(lib, w: kernels.BlockWeight, x: np.ndarray, threads: int = 1, q8: bool = True) -> np.ndarray:
+    (fmt, raw, s, o, g, n), = w._segments()
+    m, k = x.shape
+    y = np.empty((m, n), np.float32)
+    P, I1 = ctypes.c_void_p * 1, ctypes.c_int * 1
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    fn = lib.gs_qmatmul_multi_q8 if q8 else lib.gs_qmatmul_multi
+    fn(1, I1(fmt), P(raw.data_ptr()), P(ptr(s)), P(ptr(o)), I1(g), I1(n), k, x.ctypes.data, None, m,
+       y.ctypes.data, threads)
+    return y
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.int32)
+
+
+def quantize(lib, x: np.ndarray):
+    m, k = x.shape
+    aq = np.empty((m, k), np.int8)
+    da = np.empty((m, k // 32), np.float32)
+    lib.gs_quantize_act(x.ctypes.data, m, k, aq.ctypes.data, da.ctypes.data)
+    return aq, da
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fmt=st.sampled_from(FORMATS), n=st.integers(1, 70), supers=st.integers(1, 3), m=st.integers(1, 16),
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_simd_paths_equal_the_portable_reference(libs, fmt, n, supers, m, threads, seed):
+    ref, built = libs
+    rng = np.random.default_rng(seed)
+    k = 256 * supers if fmt in ("Q4_K", "Q6_K") else 32 * rng.integers(1, 12)  # odd block counts too
+    w = weight(rng, fmt, n, int(k))
+    x = (rng.standard_normal((m, int(k))) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
+    want = q8_product(ref, w, x, threads)
+    for isa, lib in built.items():
+        assert np.array_equal(bits(q8_product(lib, w, x, threads)), bits(want)), isa
+    # batch invariance: each row alone gives the same bits (verify rows = decode rows)
+    for i in range(m):
+        assert np.array_equal(bits(q8_product(ref, w, x[i:i + 1].copy(), threads)), bits(want[i:i + 1]))
+
+
+@pytest.mark.parametrize("isa", ["portable"] + SIMD)
+def test_activations_quantized_by_the_documented_rule(libs, isa):
+    ref, built = libs
+    lib = built.get(isa, ref)
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((5, 256)) * np.array([1e-3, 1, 30, 0, 1e4])[:, None]).astype(np.float32)
+    x[1, 40] = -7.5  # a block whose largest value is negative
+    aq, da = quantize(lib, x)
+    blocks = x.reshape(5, 8, 32)
+    amax = np.abs(blocks).max(-1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    np.testing.assert_array_equal(da, d)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    want = np.rint(blocks * inv[..., None]).astype(np.int8).reshape(5, 256)  # nearest, ties to even
+    np.testing.assert_array_equal(aq, want)
+    assert np.abs(aq).max() <= 127 and (aq[3] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reference_is_the_product_of_the_quantized_activations(libs, fmt):
+    """The result is W @ (aq * da) computed in float64, up to float32 rounding: the integer sums are
+    exact, and the scales and offsets are the format's own (dequantized W)."""
+    ref, _ = libs
+    rng = np.random.default_rng(5)
+    k = 512
+    w = weight(rng, fmt, 19, k)
+    dense = w.dequantize().double().numpy()
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    aq, da = quantize(ref, x)
+    xq = (aq.reshape(3, k // 32, 32) * da[..., None].astype(np.float64)).reshape(3, k)
+    got = q8_product(ref, w, x)
+    if w._offset_group():  # the offset term reads the fp32 block sums of x itself, not the quantized ones
+        xq_for_offsets = x.astype(np.float64)
+        off = w._fallback() if isinstance(w, kernels.StoredWeight) else w
+        o = off.offset.double().numpy()  # [N, K/32]
+        scale_part = dense - np.repeat(o, 32, axis=1)
+        want = xq @ scale_part.T + (xq_for_offsets.reshape(3, k // 32, 32).sum(-1) @ o.T)
+    else:
+        want = xq @ dense.T
+    scale = np.abs(xq) @ np.abs(dense).T + np.abs(x.astype(np.float64)) @ np.abs(dense).T
+    assert (np.abs(got - want) <= 1e-5 * scale + 1e-30).all()
+    # and it is close to the fp32-activation product (the rounding of x is all that differs)
+    fp = q8_product(ref, w, x, q8=False)
+    assert np.linalg.norm(got - fp) <= 3e-2 * np.linalg.norm(fp)
+
+
+def test_mode_switch_and_bad_values(monkeypatch):
+    before = kernels.act_quant()
+    try:
+        kernels.set_act_quant("q8_0")
+        assert kernels.act_quant() == "q8_0"
+        kernels.set_act_quant("none")
+        assert kernels.act_quant() == "none"
+        with pytest.raises(ValueError, match="choose one of none, q8_0"):
+            kernels.set_act_quant("q4")
+    finally:
+        kernels.set_act_quant(before)
+    monkeypatch.setenv("GEMMASPEC_ACT_QUANT", "int3")
+    assert kernels._env_act_quant() is False  # warned, fp32
+
+
+def test_the_mode_changes_the_model_products_and_fp32_is_the_default(libs):
+    if kernels.load_library() is None:
+        pytest.skip("no C compiler")
+    rng = np.random.default_rng(9)
+    w = weight(rng, "Q4_0", 64, 256)
+    x = torch.from_numpy(rng.standard_normal((2, 256)).astype(np.float32))
+    before = kernels.act_quant()
+    try:
+        kernels.set_act_quant("none")
+        fp = w(x)
+        kernels.set_act_quant("q8_0")
+        q8 = w(x)
+    finally:
+        kernels.set_act_quant(before)
+    lib = kernels.load_library()
+    assert np.array_equal(bits(fp.numpy()), bits(q8_product(lib, w, x.numpy(), q8=False)))
+    assert np.array_equal(bits(q8.numpy()), bits(q8_product(lib, w, x.numpy())))
+    assert not torch.equal(fp, q8)
+
+
+@pytest.mark.parametrize("kind", ["code", "rewrite"])
+def test_greedy_speculative_equals_plain_with_int8_activations(engine, kind):
+    from test_speculative import _prompt_ids, _tokens
+
+    from gemmaspec.speculative.drafters import NgramDrafter
+
+    before = kernels.act_quant()
+    kernels.set_act_quant("q8_0")
+    try:
+        ids = _prompt_ids(engine, kind)
+        plain = _tokens(engine, ids, 40)
+        for n_max in (1, 3):
+            assert _tokens(engine, ids, 40, NgramDrafter(), n_max) == plain, (kind, n_max)
+    finally:
+        kernels.set_act_quant(before)
+
+
+def test_cli_flag_sets_the_mode(model_path, capsys):
+    from gemmaspec.cli import main
+
+    before = kernels.act_quant()
+    try:
+        assert main(["generate", "-m", str(model_path), "-p", "def add(a, b):", "-n", "4", "--temp", "0",
+                     "--act-quant", "q8_0"]) == 0
+        assert kernels.act_quant() == "q8_0"
+    finally:
+        kernels.set_act_quant(before)
+    assert capsys.readouterr().out.strip()  # it generated text
