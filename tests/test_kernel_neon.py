@@ -21,16 +21,26 @@ CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
 pytestmark = pytest.mark.skipif(not (CC and QEMU), reason="no aarch64 cross compiler or qemu-aarch64 here")
 
 
+def build_harness(tmp_path_factory, march: str) -> Path:
+    exe = tmp_path_factory.mktemp("neon") / "harness"
+    subprocess.run([CC, "-O3", f"-march={march}", "-ffp-contract=off", "-pthread", "-static",
+                    str(ROOT / "tests/native/kernel_harness.c"), str(ROOT / "src/gemmaspec/kernels/qmatmul.c"),
+                    "-o", str(exe), "-lm"], check=True, capture_output=True)
+    return exe
+
+
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
     ref = kernels.matmul_library("portable")
     if ref is None:
         pytest.skip("no C compiler: kernels fall back to torch")
-    exe = tmp_path_factory.mktemp("neon") / "harness"
-    subprocess.run([CC, "-O3", "-march=armv8.2-a", "-ffp-contract=off", "-pthread", "-static",
-                    str(ROOT / "tests/native/kernel_harness.c"), str(ROOT / "src/gemmaspec/kernels/qmatmul.c"),
-                    "-o", str(exe), "-lm"], check=True, capture_output=True)
-    return exe, ref
+    return build_harness(tmp_path_factory, "armv8.2-a"), ref
+
+
+@pytest.fixture(scope="module")
+def harness_dotprod(tmp_path_factory, harness):
+    """The same harness built with ARM's dot-product extension (sdot in the int8-activation path)."""
+    return build_harness(tmp_path_factory, "armv8.2-a+dotprod"), harness[1]
 
 
 def run_neon(exe: Path, w: kernels.BlockWeight, x: np.ndarray, threads: int, q8: bool = False) -> np.ndarray:
@@ -69,11 +79,12 @@ def test_neon_path_equals_the_portable_reference(harness, qtype):
             assert np.array_equal(bits(product(ref, as_int8(w.raw.numpy(), qtype, k), x, threads)), bits(want))
 
 
+@pytest.mark.parametrize("dotprod", [False, True])
 @pytest.mark.parametrize("qtype", kernels.STORED_TYPES + ("int8-32-offsets",))
-def test_neon_int8_activation_path_equals_the_portable_reference(harness, qtype):
+def test_neon_int8_activation_path_equals_the_portable_reference(harness, harness_dotprod, qtype, dotprod):
     from test_kernel_q8 import q8_product, weight
 
-    exe, ref = harness
+    exe, ref = harness_dotprod if dotprod else harness
     rng = np.random.default_rng(12)
     for n, k, m, threads in ((1, 256, 1, 1), (67, 512, 3, 2), (70, 256, 16, 2)):
         w = weight(rng, qtype, n, k)

@@ -231,6 +231,61 @@ static inline __attribute__((always_inline)) void tile_q8(const int fmt, const v
         for (int m = 0; m < M; m++) res[r * RS + m] = reduce8(_mm256_add_ps(even[r][m], odd[r][m]));
 }
 #define TILE_Q8 tile_q8
+#elif defined(GS_NEON)
+/* Lane sums of 16 signed levels times 16 activations, 4 bytes per lane: sdot with the dotprod
+ * extension (ARMv8.2+, e.g. -march=armv8.2-a+dotprod or a native build on such a CPU), else widening
+ * multiplies and pairwise adds; the same exact integers. */
+static inline int32x4_t q8_dot16_neon(int8x16_t q, int8x16_t a) {
+#ifdef __ARM_FEATURE_DOTPROD
+    return vdotq_s32(vdupq_n_s32(0), q, a);
+#else
+    const int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(q), vget_low_s8(a)));
+    const int32x4_t hi = vpaddlq_s16(vmull_high_s8(q, a));
+    return vpaddq_s32(lo, hi);
+#endif
+}
+
+/* As tile_q8: lanes 0-3 and 4-7 in two registers, even and odd blocks in two sets. */
+static inline __attribute__((always_inline)) void tile_q8_neon(const int fmt, const void *const wr[],
+                                                               const float *const sr[], const int R, int K,
+                                                               const int8_t *aq, const float *da, const int M,
+                                                               float *res) {
+    const int nb = K / 32;
+    float32x4_t acc[NR][Q8_ROWS][2][2]; /* [r][m][block parity][lanes 0-3, 4-7] */
+    float ks[NR][16];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++)
+            for (int p = 0; p < 2; p++) acc[r][m][p][0] = acc[r][m][p][1] = vdupq_n_f32(0.f);
+    for (int b = 0; b < nb; b++) {
+        if ((fmt == FMT_Q4_K || fmt == FMT_Q6_K) && (b & 7) == 0)
+            for (int r = 0; r < R; r++) super_scales(fmt, (const uint8_t *)wr[r], b >> 3, ks[r]);
+        for (int r = 0; r < R; r++) {
+            int8x16_t lo, hi;
+            float s0, s1;
+            if (fmt == FMT_Q6_K) {
+                lo = levels16_neon(fmt, wr[r], sr[r], 2 * b, &s0, ks[r]);
+                hi = levels16_neon(fmt, wr[r], sr[r], 2 * b + 1, &s1, ks[r]);
+            } else {
+                levels32_neon(fmt, wr[r], sr[r], b, &lo, &hi, &s0, ks[r]);
+                s1 = s0;
+            }
+            for (int m = 0; m < M; m++) {
+                const int8_t *a = aq + (long)m * K + 32 * b;
+                const float d = da[(long)m * nb + b];
+                float32x4_t *ac = acc[r][m][b & 1];
+                ac[0] = vfmaq_f32(ac[0], vcvtq_f32_s32(q8_dot16_neon(lo, vld1q_s8(a))), vdupq_n_f32(s0 * d));
+                ac[1] = vfmaq_f32(ac[1], vcvtq_f32_s32(q8_dot16_neon(hi, vld1q_s8(a + 16))), vdupq_n_f32(s1 * d));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) {
+            const float32x4_t t = vaddq_f32(vaddq_f32(acc[r][m][0][0], acc[r][m][1][0]),
+                                            vaddq_f32(acc[r][m][0][1], acc[r][m][1][1]));
+            res[r * RS + m] = (vgetq_lane_f32(t, 0) + vgetq_lane_f32(t, 2)) + (vgetq_lane_f32(t, 1) + vgetq_lane_f32(t, 3));
+        }
+}
+#define TILE_Q8 tile_q8_neon
 #else
 #define TILE_Q8 tile_q8_portable
 #endif
