@@ -144,9 +144,12 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         return engine, make
 
     def ready():
-        log.info("model %s loaded in %.2f s: context %d, %d slots, speculative %s (n_max %s)%s",
+        from .. import kernels
+
+        log.info("model %s loaded in %.2f s: context %d, %d slots, speculative %s (n_max %s)%s%s",
                  info["model_id"], info["load_s"], info["engine"].ctx_size, cfg.n_slots, info["spec_type"],
-                 cfg.n_max, "" if scheduler.batched else "; this model has no batched forward, slots take turns")
+                 cfg.n_max, "; int8 activations (--act-quant q8_0)" if kernels.act_quant() == "q8_0" else "",
+                 "" if scheduler.batched else "; this model has no batched forward, slots take turns")
         if on_ready:
             on_ready()
 
