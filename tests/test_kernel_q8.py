@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_stored_weights import F16_AT, random_blocks  # noqa: F401  (F16_AT: the blocks' fp16 fields)
+from test_stored_weights import random_blocks
 
 from gemmaspec import kernels
 
