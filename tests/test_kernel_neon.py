@@ -44,7 +44,8 @@ def harness_dotprod(tmp_path_factory, harness):
 
 
 def run_neon(exe: Path, w: kernels.BlockWeight, x: np.ndarray, threads: int, q8: bool = False) -> np.ndarray:
-    (fmt, raw, s, o, g, n), = w._segments()
+    """The product through the NEON harness, on the segments the model's products use in that mode."""
+    (fmt, raw, s, o, g, n), = w._segments_q8(kernels.load_library()) if q8 else w._segments()
     k, m = w.shape[1], x.shape[0]
     xg = w._offset_group() or 0
     header = np.array([fmt, n, k, g, m, threads, s is not None, o is not None, xg], np.int32).tobytes()
@@ -80,7 +81,7 @@ def test_neon_path_equals_the_portable_reference(harness, qtype):
 
 
 @pytest.mark.parametrize("dotprod", [False, True])
-@pytest.mark.parametrize("qtype", kernels.STORED_TYPES + ("int8-32-offsets",))
+@pytest.mark.parametrize("qtype", kernels.STORED_TYPES + ("Q4_0x8", "int8-32-offsets"))
 def test_neon_int8_activation_path_equals_the_portable_reference(harness, harness_dotprod, qtype, dotprod):
     from test_kernel_q8 import q8_product, weight
 

@@ -238,10 +238,15 @@ def matmul_library(isa: str = "auto"):
         "gs_block_sums": [P, I, I, I, P],
         "gs_rms_norm": [P, P, I, I, ctypes.c_float, P],
         "gs_norm_rope": [P, ctypes.c_long, I, I, I, P, I, P, P, P, ctypes.c_float, P],
+        "gs_gelu_mul": [P, ctypes.c_long, I, I, P],
+        "gs_repack_q4_0x8": [P, ctypes.c_long, I, P],
+        "gs_add_rms_norm": [P, P, I, I, ctypes.c_float, P, P],
     }
     for name, args in sigs.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    lib.gs_attention.argtypes = [P, ctypes.c_long, I, I, I, I, P, P, I, P, ctypes.c_float, ctypes.c_float, P]
+    lib.gs_attention.restype = I
     lib.gs_isa.argtypes = []
     lib.gs_isa.restype = ctypes.c_char_p
     return lib
@@ -262,7 +267,26 @@ def _ptr(t: torch.Tensor | None):
 FMT_I8 = 0
 STORED_TYPES = ("Q4_0", "Q8_0", "Q5_0", "Q4_K", "Q6_K")  # GGML types StoredWeight keeps as stored
 _FMT = {"Q4_0": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
+FMT_Q4_0X8 = 6  # Q4_0 repacked 8 rows at a time for the int8-activation products (q4x8.h)
 _HAS_OFFSETS = ("Q4_K",)
+
+
+def _release(t: torch.Tensor) -> None:
+    """Ask the kernel to drop ``t``'s pages from this process's memory (``madvise(MADV_PAGEOUT)``, Linux
+    5.4+): for weights mapped from a GGUF file the pages are clean and are read back from the file if
+    ever touched again, so nothing is lost; elsewhere (other systems, anonymous memory without swap) it
+    does nothing. Used after a weight is repacked into a copy that replaces it."""
+    if not sys.platform.startswith("linux") or t.device.type != "cpu":
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = os.sysconf("SC_PAGE_SIZE")
+        start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        a0, a1 = (start + page - 1) // page * page, end // page * page
+        if a1 > a0:
+            libc.madvise(ctypes.c_void_p(a0), ctypes.c_size_t(a1 - a0), 21)  # MADV_PAGEOUT
+    except (OSError, AttributeError, ValueError):
+        pass
 
 
 class CPUBlockWeight(BlockWeight):
@@ -279,6 +303,15 @@ class CPUBlockWeight(BlockWeight):
 
     def _segments(self) -> list[tuple]:  # [(fmt, w, s, o, G, N)]
         raise NotImplementedError
+
+    def _segments_q8(self, lib) -> list[tuple]:
+        """The segments the int8-activation products read (a layout built for them, or the stored one)."""
+        return self._segments()
+
+    def _read_segments(self) -> list[tuple]:
+        """The segments that dequantization and row lookups read: a repacked copy once one exists (so the
+        stored bytes, which it replaces in memory, are not read back in), else :meth:`_segments`."""
+        return self._segments()
 
     def _fallback(self) -> "BlockWeight":
         raise NotImplementedError
@@ -305,9 +338,9 @@ class CPUBlockWeight(BlockWeight):
             if x2.dtype != torch.float32 or not x2.is_contiguous():
                 x2 = x2.float().contiguous()
             m = x2.shape[0]
-            if m <= SMALL_M:
+            if m <= SMALL_M and args[_act_q8] is not None:
                 y = torch.empty(m, n, dtype=torch.float32)
-                fns[_act_q8](*args, k, x2.data_ptr(), None, m, y.data_ptr(), threads())
+                fns[_act_q8](*args[_act_q8], k, x2.data_ptr(), None, m, y.data_ptr(), threads())
                 return y.view(*x.shape[:-1], n)
         return self._call(x)
 
@@ -324,24 +357,28 @@ class CPUBlockWeight(BlockWeight):
             return self._tiled(lib, x2).view(*lead, n)
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
         self._small(lib, x2, y)
-        self._plan = ((lib.gs_qmatmul_multi, lib.gs_qmatmul_multi_q8), n, k, self._kernel_args[0])
+        args = self.__dict__.get("_kernel_args"), self.__dict__.get("_kernel_args_q8")
+        self._plan = ((lib.gs_qmatmul_multi, lib.gs_qmatmul_multi_q8), n, k,
+                      tuple(None if a is None else a[0] for a in args))
         return y.view(*lead, n)
 
     def _small(self, lib, x2: torch.Tensor, y: torch.Tensor) -> None:
         """y float32 [M, N] = x2 float32 [M, K] @ W.T in one call of the C kernel (M <= SMALL_M)."""
         m, k = x2.shape
-        cached = self.__dict__.get("_kernel_args")
+        key = "_kernel_args_q8" if _act_q8 else "_kernel_args"
+        cached = self.__dict__.get(key)
         if cached is None:  # built once: the weight's tensors (and so their addresses) never change
-            segs = self._segments()
+            segs = self._segments_q8(lib) if _act_q8 else self._segments()
             ns = len(segs)
             arr = lambda ctype, vals: (ctype * ns)(*vals)  # noqa: E731
             P = ctypes.c_void_p
-            cached = self._kernel_args = ((
+            cached = ((
                 ns, arr(ctypes.c_int, [s[0] for s in segs]), arr(P, [s[1].data_ptr() for s in segs]),
                 arr(P, [None if s[2] is None else s[2].data_ptr() for s in segs]),
                 arr(P, [None if s[3] is None else s[3].data_ptr() for s in segs]),
                 arr(ctypes.c_int, [s[4] for s in segs]), arr(ctypes.c_int, [s[5] for s in segs])),
-                self._offset_group())
+                self._offset_group(), segs)  # segs: keeps the tensors the addresses point into alive
+            self.__dict__[key] = cached
         # the kernel computes the block sums of x that offsets (Q4_K) need itself (xsum NULL)
         fn = lib.gs_qmatmul_multi_q8 if _act_q8 else lib.gs_qmatmul_multi
         fn(*cached[0], k, _ptr(x2), None, m, _ptr(y), threads())
@@ -349,7 +386,7 @@ class CPUBlockWeight(BlockWeight):
     def _dequant_rows(self, lib, n0: int, n1: int, out: torch.Tensor) -> None:
         """Rows n0..n1-1 of W into float32 ``out`` [>= n1 - n0, K] (the C kernel's dequantizer)."""
         k, base = self.shape[1], 0
-        for fmt, w, s, o, g, n in self._segments():
+        for fmt, w, s, o, g, n in self._read_segments():
             a, b = max(n0, base), min(n1, base + n)
             if a < b:
                 dst = ctypes.c_void_p(out.data_ptr() + 4 * (a - n0) * k)
@@ -383,7 +420,7 @@ class CPUBlockWeight(BlockWeight):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64, any shape) of W as float32 [*ids.shape, K] (an embedding lookup); only
         those rows are unpacked."""
-        segs = self._segments()
+        segs = self._read_segments()
         lib = load_library() if self._device.type == "cpu" else None
         if lib is None or len(segs) != 1:
             return self._fallback().rows(ids)
@@ -504,6 +541,25 @@ class StoredWeight(CPUBlockWeight):
     def _segments(self) -> list[tuple]:
         return [(_FMT[self.qtype], self.raw, None, None, 32, self.raw.shape[0])]
 
+    def _segments_q8(self, lib) -> list[tuple]:
+        """Q4_0 with a multiple of 8 rows: the rows repacked 8 at a time (``q4x8.h``, llama.cpp's idea of
+        ``block_q4_0x8``: one activation load and one vector of 8 scales serve 8 rows), built on the first
+        int8-activation product, the same size as the stored bytes, which are then released from memory
+        (:func:`_release`: they stay in the file); other types: as stored."""
+        n = self.raw.shape[0]
+        if self.qtype != "Q4_0" or n % 8:
+            return self._segments()
+        if self.__dict__.get("_x8") is None:
+            x8 = torch.empty_like(self.raw)
+            lib.gs_repack_q4_0x8(self.raw.data_ptr(), n, self.k, x8.data_ptr())
+            self._x8 = x8
+            _release(self.raw)
+        return [(FMT_Q4_0X8, self._x8, None, None, 32, n)]
+
+    def _read_segments(self) -> list[tuple]:
+        x8 = self.__dict__.get("_x8")
+        return self._segments() if x8 is None else [(FMT_Q4_0X8, x8, None, None, 32, self.raw.shape[0])]
+
     def _fallback(self) -> QuantizedWeight:
         if self._int8 is None:
             self._int8 = self.to_int8()
@@ -567,6 +623,12 @@ class StackedWeight(CPUBlockWeight):
 
     def _segments(self) -> list[tuple]:
         return [s for p in self.parts for s in p._segments()]
+
+    def _segments_q8(self, lib) -> list[tuple]:
+        return [s for p in self.parts for s in p._segments_q8(lib)]
+
+    def _read_segments(self) -> list[tuple]:
+        return [s for p in self.parts for s in p._read_segments()]
 
     def _fallback(self) -> "StackedWeight":
         return StackedWeight([p._fallback() for p in self.parts])

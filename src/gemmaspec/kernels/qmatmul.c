@@ -33,6 +33,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "pool.h"
@@ -71,8 +72,13 @@ const char *gs_isa(void) {
 #endif
 #define NR 4        /* output rows handled together (independent accumulator chains) */
 #ifndef NTILE
-#define NTILE 64   /* output rows per scheduling unit (a multiple of NR) */
+#define NTILE 64   /* output rows per scheduling unit (a multiple of NR and of 8) */
 #endif
+#ifndef NTILE_BIG
+#define NTILE_BIG 512 /* ... for matrices of at least BIG_ROWS rows (the head): longer runs of one
+                         sequential stream per thread, which two threads read faster from DRAM */
+#endif
+#define BIG_ROWS 16384
 #ifndef PF_BYTES
 #define PF_BYTES 8192 /* software prefetch distance along the weight stream: one core alone cannot
                          keep enough cache misses in flight to read at full memory bandwidth */
@@ -873,9 +879,10 @@ typedef struct {
     int fmt, N, G, col;
     const void *w;
     const float *s, *o;
+    int tile; /* output rows per scheduling unit: NTILE, or NTILE_BIG for BIG_ROWS rows and more */
 } gs_segment;
 
-/* Output rows of scheduling unit t (NTILE rows) of segment sg for every row of x; fmt is a
+/* Output rows of scheduling unit t (sg->tile rows) of segment sg for every row of x; fmt is a
  * compile-time constant at each call (the switch in run_tile). xsum: sums of x over the segment's
  * G-value blocks (only read when it has offsets). y has ldy columns. */
 static inline __attribute__((always_inline)) void qmatmul_tile(const int fmt, const gs_segment *sg, int K,
@@ -884,7 +891,7 @@ static inline __attribute__((always_inline)) void qmatmul_tile(const int fmt, co
                                                                float *y, long ldy, int t) {
     const int G = fmt_group(fmt, sg->G), nb = K / G, N = sg->N;
     const long stride = row_bytes(fmt, K);
-    const int n0 = t * NTILE, n1 = n0 + NTILE < N ? n0 + NTILE : N;
+    const int n0 = t * sg->tile, n1 = n0 + sg->tile < N ? n0 + sg->tile : N;
     const int offs = fmt_has_offsets(fmt, sg->o);
     for (int m0 = 0; m0 < M; m0 += MCHUNK) {
         const int mm = M - m0 < MCHUNK ? M - m0 : MCHUNK;
@@ -910,10 +917,13 @@ static inline __attribute__((always_inline)) void qmatmul_tile(const int fmt, co
     }
 }
 
+#include "q4x8.h" /* Q4_0 repacked 8 rows at a time (int8 activations) */
+
 static void run_tile(const gs_segment *sg, int K, const float *x, const float *xsum, int M, const int8_t *aq,
                      const float *da, float *y, long ldy, int t) {
     if (aq && !q8_supported(sg->fmt, sg->G)) aq = NULL, da = NULL; /* fp32 activations for this segment */
     switch (sg->fmt) {
+        case FMT_Q4_0X8: x8_tile(sg, K, x, M, aq, da, y, ldy, t); break;
         case FMT_Q4_0: qmatmul_tile(FMT_Q4_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
         case FMT_Q8_0: qmatmul_tile(FMT_Q8_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
         case FMT_Q5_0: qmatmul_tile(FMT_Q5_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
@@ -957,9 +967,10 @@ static void qmatmul_multi(int nseg, const int *fmts, const void *const *ws, cons
     first[0] = 0;
     if (nseg > 8) nseg = 8;
     for (int i = 0; i < nseg; i++) {
-        sg[i] = (gs_segment){fmts[i], Ns[i], Gs ? Gs[i] : 32, col, ws[i], ss ? ss[i] : NULL, os ? os[i] : NULL};
+        const int tile = Ns[i] >= BIG_ROWS ? NTILE_BIG : NTILE;
+        sg[i] = (gs_segment){fmts[i], Ns[i], Gs ? Gs[i] : 32, col, ws[i], ss ? ss[i] : NULL, os ? os[i] : NULL, tile};
         col += Ns[i];
-        first[i + 1] = first[i] + (Ns[i] + NTILE - 1) / NTILE;
+        first[i + 1] = first[i] + (Ns[i] + tile - 1) / tile;
     }
     float *own = NULL;
     if (!xsum) { /* segments with offsets read sums of x over their G-value blocks: computed here */
@@ -1035,6 +1046,14 @@ void gs_qmatmul_stored(int fmt, const uint8_t *blocks, int N, int K, const float
 /* Row n of W (format fmt; s, o, G for FMT_I8) as fp32: scale * (float)q + offset, the same values for
  * every format holding the same weights. */
 static void dequant_row(int fmt, const void *w, const float *s, const float *o, int G, int K, long n, float *out) {
+    if (fmt == FMT_Q4_0X8) { /* rebuilt as a Q4_0 row first */
+        uint8_t *row = (uint8_t *)malloc((size_t)row_bytes(FMT_Q4_0, K));
+        if (!row) return;
+        x8_row_to_q4_0((const uint8_t *)w, K, n, row);
+        dequant_row(FMT_Q4_0, row, NULL, NULL, 32, K, 0, out);
+        free(row);
+        return;
+    }
     G = fmt_group(fmt, G);
     const int nb = K / G;
     const char *wr = (const char *)w + n * row_bytes(fmt, K);
@@ -1127,3 +1146,5 @@ void gs_norm_rope(const float *x, long ldx, int n, int heads, int d, const float
         }
     }
 }
+
+#include "stepops.h" /* attention, gelu * up, norm + residual of a decode step */

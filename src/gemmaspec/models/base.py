@@ -9,7 +9,7 @@ import torch
 
 import contextlib
 
-from ..kernels import BlockWeight, load_library, ops_on_one_thread
+from ..kernels import SMALL_M, BlockWeight, load_library, ops_on_one_thread
 from ..kv_cache import KVCache
 
 @dataclass
@@ -142,10 +142,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         scale: multiplies q·k.
 
     Returns:
-        float32 [T, H, D].
+        float32 [T, H, D]. On the CPU with the C kernel, up to ``SMALL_M`` query rows (decode, verify,
+        drafting) go through one call of ``gs_attention`` (``kernels/stepops.h``: each row on its own,
+        so a row's bits do not depend on the others); more rows (prefill) and autograd use PyTorch's
+        ops below. Both compute softmax(q k^T * scale) v in float32; they differ by float rounding.
     """
     t, h, d = q.shape
     hkv = k.shape[1]
+    out = _attention_c(q, k, v, mask, scale, softcap)
+    if out is not None:
+        return out
     g = h // hkv
     # [Hkv, g*T, D]: the query heads that share a K/V head ride in one matmul
     qg = q.view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d)
@@ -157,3 +163,60 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.permute(1, 0, 2))  # [Hkv, g*T, D]
     return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, h, d)
+
+
+def _attention_c(q, k, v, mask, scale, softcap):
+    """:func:`attention` through ``gs_attention``, or None where that does not apply."""
+    t, h, d = q.shape
+    if (t > SMALL_M or q.device.type != "cpu" or d % 16 or q.dtype != torch.float32 or k.dtype != torch.float32
+            or v.dtype != torch.float32 or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                         or v.requires_grad))):
+        return None
+    lib = load_library()
+    if lib is None:
+        return None
+    hkv, L = k.shape[1], k.shape[0]
+    if q.stride(2) != 1 or q.stride(1) != d or not k.is_contiguous() or not v.is_contiguous() or v.shape != k.shape:
+        return None
+    if mask is not None:
+        if mask.dtype != torch.bool or tuple(mask.shape) != (t, L):
+            return None
+        mask = mask.contiguous()
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    rc = lib.gs_attention(q.data_ptr(), q.stride(0), t, h, hkv, d, k.data_ptr(), v.data_ptr(), L,
+                          None if mask is None else mask.data_ptr(), scale, softcap or 0.0, out.data_ptr())
+    return out if rc == 0 else None
+
+
+def gelu_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for x float32 [T, 2F] = [gate | up] (Gemma's MLP) → float32 [T, F]. On the
+    CPU with the C kernel: one call of ``gs_gelu_mul`` (``kernels/stepops.h``; element-wise, so any
+    number of rows, each row's bits its own); else PyTorch's ``gelu(approximate="tanh") * up`` (the
+    same formula, different float rounding)."""
+    t, f2 = x.shape
+    f = f2 // 2
+    lib = load_library() if (x.device.type == "cpu" and x.dtype == torch.float32
+                             and x.stride(1) == 1 and not (x.requires_grad and torch.is_grad_enabled())) else None
+    if lib is None:
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+    out = torch.empty(t, f, dtype=torch.float32)
+    lib.gs_gelu_mul(x.data_ptr(), x.stride(0), t, f, out.data_ptr())
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x + :func:`rms_norm` (a, weight, eps), float32 [..., D] (the residual add after Gemma's post-norms):
+    one call of ``gs_add_rms_norm`` on the CPU with the C kernel, the same bits as the two ops."""
+    d = a.shape[-1]
+    lib = load_library() if (a.device.type == "cpu" and a.dtype == torch.float32 and x.dtype == torch.float32
+                             and d % 8 == 0 and x.shape == a.shape) else None
+    plain_w = weight is None or (weight.dtype == torch.float32 and weight.is_contiguous() and weight.device == a.device
+                                 and not weight.requires_grad)
+    if lib is None or not plain_w or (torch.is_grad_enabled() and (a.requires_grad or x.requires_grad)):
+        return x + rms_norm(a, weight, eps)
+    a, x = a.contiguous(), x.contiguous()
+    out = torch.empty_like(x)
+    lib.gs_add_rms_norm(a.data_ptr(), None if weight is None else weight.data_ptr(), a.numel() // d, d, eps,
+                        x.data_ptr(), out.data_ptr())
+    return out

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from .config import Gemma3Config
 from ..kernels import SMALL_M, BlockWeight, StackedWeight
 from ..kv_cache import KVCache
-from .base import ForwardOutput, apply_rope, attention, linear, norm_rope, rms_norm, rope_cos_sin, step_threads
+from .base import (ForwardOutput, add_rms_norm, apply_rope, attention, gelu_mul, linear, norm_rope, rms_norm,
+                   rope_cos_sin, step_threads)
 
 
 def _fuse(parts):
@@ -235,14 +236,13 @@ class Gemma3Model:
                 parts.append(attention(q[a0:a1], keys, values, plan.mask, self.attn_scale))
             a = parts[0] if single else torch.cat(parts)
             a = lin(layer.o, a.reshape(n, h_q * d))
-            x = x + rms_norm(a, layer.post_attn_norm, eps)
+            x = add_rms_norm(x, a, layer.post_attn_norm, eps)
             h = rms_norm(x, layer.ffn_norm, eps)
             if layer.gate_up is not None:
-                gate, up = lin(layer.gate_up, h).chunk(2, dim=-1)
+                f = lin(layer.down, gelu_mul(lin(layer.gate_up, h)))
             else:
-                gate, up = lin(layer.gate, h), lin(layer.up, h)
-            f = lin(layer.down, F.gelu(gate, approximate="tanh") * up)
-            x = x + rms_norm(f, layer.post_ffn_norm, eps)
+                f = lin(layer.down, F.gelu(lin(layer.gate, h), approximate="tanh") * lin(layer.up, h))
+            x = add_rms_norm(x, f, layer.post_ffn_norm, eps)
         for s, (tok, cache) in zip(starts, seqs):
             cache.advance(s, tok.shape[0])
         hidden = rms_norm(x, self.final_norm, eps)
