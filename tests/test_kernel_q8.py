@@ -16,7 +16,7 @@ from test_stored_weights import random_blocks
 from gemmaspec import kernels
 
 SIMD = [isa for isa in ("avx2", "avx512") if kernels.cpu_supports(isa)]
-FORMATS = kernels.STORED_TYPES + ("Q4_0x8", "int8-32", "int8-32-offsets")
+FORMATS = kernels.STORED_TYPES + ("Q4_0x8", "Q8_0x8", "int8-32", "int8-32-offsets")
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +33,9 @@ def weight(rng, fmt: str, n: int, k: int) -> kernels.BlockWeight:
         s = torch.from_numpy(rng.standard_normal((n, k // 32)).astype(np.float32))
         o = torch.from_numpy(rng.standard_normal((n, k // 32)).astype(np.float32)) if "offsets" in fmt else None
         return kernels.QuantizedWeight(q, s, o, 32)
-    if fmt == "Q4_0x8":  # Q4_0 with a multiple of 8 rows: repacked 8 rows at a time for these products
+    if fmt.endswith("x8"):  # Q4_0 / Q8_0 with a multiple of 8 rows: repacked 8 rows at a time for these products
         n = -(-n // 8) * 8
-        fmt = "Q4_0"
+        fmt = fmt[:-2]
     return kernels.StoredWeight(torch.from_numpy(random_blocks(rng, fmt, n, k)), fmt, k)
 
 
@@ -194,28 +194,34 @@ def test_cli_flag_sets_the_mode(model_path, capsys):
     assert capsys.readouterr().out.strip()  # it generated text
 
 
-def test_q4_0_repacked_8_rows_at_a_time():
-    """Q4_0 weights with a multiple of 8 rows are repacked for the int8-activation products (q4x8.h):
-    the layout holds the same blocks (dequantization and row lookups from it give the stored values),
-    products from it are W @ (aq * da) like the stored layout's, and rows that are not a multiple of 8
-    keep the stored layout."""
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_repacked_8_rows_at_a_time(qtype):
+    """Q4_0 and Q8_0 weights with a multiple of 8 rows are repacked for the int8-activation products
+    (x8.h): the layout holds the same blocks (dequantization and row lookups from it give the stored
+    values), products from it are W @ (aq * da) like the stored layout's, and rows that are not a
+    multiple of 8 keep the stored layout."""
     lib = kernels.load_library()
     if lib is None:
         pytest.skip("no C compiler")
     rng = np.random.default_rng(11)
-    raw = torch.from_numpy(random_blocks(rng, "Q4_0", 72, 320))
-    w, plain = kernels.StoredWeight(raw, "Q4_0", 320), kernels.StoredWeight(raw.clone(), "Q4_0", 320)
+    raw = torch.from_numpy(random_blocks(rng, qtype, 72, 320))
+    w, plain = kernels.StoredWeight(raw, qtype, 320), kernels.StoredWeight(raw.clone(), qtype, 320)
     (fmt, x8, *_), = w._segments_q8(lib)
-    assert fmt == kernels.FMT_Q4_0X8 and x8.shape == raw.shape and not torch.equal(x8, raw)
+    assert fmt == kernels._X8[qtype] and x8.shape == raw.shape and not torch.equal(x8, raw)
     assert torch.equal(w.dequantize(), plain.dequantize())  # now read from the repacked copy
     ids = torch.tensor([0, 7, 8, 71, 33])
     assert torch.equal(w.rows(ids), plain.rows(ids))
     x = rng.standard_normal((3, 320)).astype(np.float32)
     got, stored = q8_product(lib, w, x), q8_product(lib, plain, x, stored=True)
     assert not np.array_equal(bits(got), bits(stored))  # another order of the same integers
-    np.testing.assert_allclose(got, stored, rtol=1e-5, atol=1e-4)
-    # the fp32 products still read the stored layout, bit for bit
+    np.testing.assert_allclose(got, stored, rtol=1e-5, atol=1e-4 * np.abs(stored).max())
+    # the fp32 products still read the stored layout, bit for bit; the repacked one gives the same bits
     fp = q8_product(lib, w, x, q8=False)
     assert np.array_equal(bits(fp), bits(q8_product(lib, plain, x, q8=False)))
-    odd = kernels.StoredWeight(torch.from_numpy(random_blocks(rng, "Q4_0", 13, 64)), "Q4_0", 64)
-    assert odd._segments_q8(lib)[0][0] == 1
+    y = np.empty((3, 72), np.float32)
+    P, I1 = ctypes.c_void_p * 1, ctypes.c_int * 1
+    lib.gs_qmatmul_multi(1, I1(fmt), P(x8.data_ptr()), P(None), P(None), I1(32), I1(72), 320, x.ctypes.data, None,
+                         3, y.ctypes.data, 1)
+    assert np.array_equal(bits(y), bits(fp))
+    odd = kernels.StoredWeight(torch.from_numpy(random_blocks(rng, qtype, 13, 64)), qtype, 64)
+    assert odd._segments_q8(lib)[0][0] == kernels._FMT[qtype]

@@ -239,7 +239,6 @@ def matmul_library(isa: str = "auto"):
         "gs_rms_norm": [P, P, I, I, ctypes.c_float, P],
         "gs_norm_rope": [P, ctypes.c_long, I, I, I, P, I, P, P, P, ctypes.c_float, P],
         "gs_gelu_mul": [P, ctypes.c_long, I, I, P],
-        "gs_repack_q4_0x8": [P, ctypes.c_long, I, P],
         "gs_add_rms_norm": [P, P, I, I, ctypes.c_float, P, P],
     }
     for name, args in sigs.items():
@@ -247,6 +246,8 @@ def matmul_library(isa: str = "auto"):
         fn.argtypes, fn.restype = args, None
     lib.gs_attention.argtypes = [P, ctypes.c_long, I, I, I, I, P, P, I, P, ctypes.c_float, ctypes.c_float, P]
     lib.gs_attention.restype = I
+    lib.gs_repack_x8.argtypes = [I, P, ctypes.c_long, I, P]
+    lib.gs_repack_x8.restype = I
     lib.gs_isa.argtypes = []
     lib.gs_isa.restype = ctypes.c_char_p
     return lib
@@ -267,7 +268,9 @@ def _ptr(t: torch.Tensor | None):
 FMT_I8 = 0
 STORED_TYPES = ("Q4_0", "Q8_0", "Q5_0", "Q4_K", "Q6_K")  # GGML types StoredWeight keeps as stored
 _FMT = {"Q4_0": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
-FMT_Q4_0X8 = 6  # Q4_0 repacked 8 rows at a time for the int8-activation products (q4x8.h)
+# Q4_0 and Q8_0 repacked 8 rows at a time for the int8-activation products (x8.h)
+FMT_Q4_0X8, FMT_Q8_0X8 = 6, 7
+_X8 = {"Q4_0": FMT_Q4_0X8, "Q8_0": FMT_Q8_0X8}
 _HAS_OFFSETS = ("Q4_K",)
 
 
@@ -542,23 +545,25 @@ class StoredWeight(CPUBlockWeight):
         return [(_FMT[self.qtype], self.raw, None, None, 32, self.raw.shape[0])]
 
     def _segments_q8(self, lib) -> list[tuple]:
-        """Q4_0 with a multiple of 8 rows: the rows repacked 8 at a time (``q4x8.h``, llama.cpp's idea of
-        ``block_q4_0x8``: one activation load and one vector of 8 scales serve 8 rows), built on the first
-        int8-activation product, the same size as the stored bytes, which are then released from memory
-        (:func:`_release`: they stay in the file); other types: as stored."""
+        """Q4_0 and Q8_0 with a multiple of 8 rows: the rows repacked 8 at a time (``x8.h``, llama.cpp's
+        idea of ``block_q4_0x8``: one activation load and one vector of 8 scales serve 8 rows, one weight
+        stream per 8 rows), built on the first int8-activation product, the same size as the stored
+        bytes, which are then released from memory (:func:`_release`: they stay in the file); other
+        types: as stored."""
         n = self.raw.shape[0]
-        if self.qtype != "Q4_0" or n % 8:
+        if self.qtype not in _X8 or n % 8:
             return self._segments()
         if self.__dict__.get("_x8") is None:
             x8 = torch.empty_like(self.raw)
-            lib.gs_repack_q4_0x8(self.raw.data_ptr(), n, self.k, x8.data_ptr())
+            if lib.gs_repack_x8(_FMT[self.qtype], self.raw.data_ptr(), n, self.k, x8.data_ptr()) != 0:
+                return self._segments()
             self._x8 = x8
             _release(self.raw)
-        return [(FMT_Q4_0X8, self._x8, None, None, 32, n)]
+        return [(_X8[self.qtype], self._x8, None, None, 32, n)]
 
     def _read_segments(self) -> list[tuple]:
         x8 = self.__dict__.get("_x8")
-        return self._segments() if x8 is None else [(FMT_Q4_0X8, x8, None, None, 32, self.raw.shape[0])]
+        return self._segments() if x8 is None else [(_X8[self.qtype], x8, None, None, 32, self.raw.shape[0])]
 
     def _fallback(self) -> QuantizedWeight:
         if self._int8 is None:

@@ -917,13 +917,14 @@ static inline __attribute__((always_inline)) void qmatmul_tile(const int fmt, co
     }
 }
 
-#include "q4x8.h" /* Q4_0 repacked 8 rows at a time (int8 activations) */
+#include "x8.h" /* Q4_0 and Q8_0 repacked 8 rows at a time (int8 activations) */
 
 static void run_tile(const gs_segment *sg, int K, const float *x, const float *xsum, int M, const int8_t *aq,
                      const float *da, float *y, long ldy, int t) {
     if (aq && !q8_supported(sg->fmt, sg->G)) aq = NULL, da = NULL; /* fp32 activations for this segment */
     switch (sg->fmt) {
-        case FMT_Q4_0X8: x8_tile(sg, K, x, M, aq, da, y, ldy, t); break;
+        case FMT_Q4_0X8: x8_tile(FMT_Q4_0X8, sg, K, x, M, aq, da, y, ldy, t); break;
+        case FMT_Q8_0X8: x8_tile(FMT_Q8_0X8, sg, K, x, M, aq, da, y, ldy, t); break;
         case FMT_Q4_0: qmatmul_tile(FMT_Q4_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
         case FMT_Q8_0: qmatmul_tile(FMT_Q8_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
         case FMT_Q5_0: qmatmul_tile(FMT_Q5_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
@@ -1046,11 +1047,11 @@ void gs_qmatmul_stored(int fmt, const uint8_t *blocks, int N, int K, const float
 /* Row n of W (format fmt; s, o, G for FMT_I8) as fp32: scale * (float)q + offset, the same values for
  * every format holding the same weights. */
 static void dequant_row(int fmt, const void *w, const float *s, const float *o, int G, int K, long n, float *out) {
-    if (fmt == FMT_Q4_0X8) { /* rebuilt as a Q4_0 row first */
-        uint8_t *row = (uint8_t *)malloc((size_t)row_bytes(FMT_Q4_0, K));
+    if (fmt == FMT_Q4_0X8 || fmt == FMT_Q8_0X8) { /* rebuilt as a stored row first */
+        uint8_t *row = (uint8_t *)malloc((size_t)row_bytes(x8_stored(fmt), K));
         if (!row) return;
-        x8_row_to_q4_0((const uint8_t *)w, K, n, row);
-        dequant_row(FMT_Q4_0, row, NULL, NULL, 32, K, 0, out);
+        x8_row_to_stored(fmt, (const uint8_t *)w, K, n, row);
+        dequant_row(x8_stored(fmt), row, NULL, NULL, 32, K, 0, out);
         free(row);
         return;
     }

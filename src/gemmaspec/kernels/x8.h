@@ -1,0 +1,220 @@
+/*
+ * Q4_0 and Q8_0 weights repacked 8 rows at a time for the int8-activation products (included by
+ * qmatmul.c after qdot8.h). The idea is llama.cpp's (ggml-cpu repack.cpp, block_q4_0x8): interleave the
+ * blocks of 8 weight rows so that one activation load and one vector of 8 scales serve 8 rows, and the
+ * 8 rows' integer dot products land in the 8 lanes of one register, with no horizontal sums; one weight
+ * stream per group of rows. The layout and the code here are this project's own.
+ *
+ * Layout (FMT_Q4_0X8, FMT_Q8_0X8): rows in groups of 8 (N a multiple of 8); group g, block b (32 values
+ * of each of the 8 rows) at byte (g * nb + b) * 8 * (block bytes), nb = K / 32, so the same bytes per
+ * block as the stored format (18 for Q4_0, 34 for Q8_0):
+ *   bytes 0..15   the 8 rows' fp16 scales d (row 0 first), as stored;
+ *   then C "byte groups" of 32 bytes (C = 4 for Q4_0, 8 for Q8_0): byte group c holds, for rows
+ *                 r = 0..7 in turn, bytes 4c .. 4c+3 of row r's packed bytes (Q4_0: 16 bytes, low
+ *                 nibble of byte j = value j, high nibble = value j + 16; Q8_0: 32 int8 levels).
+ * So 4-byte lane r of a byte group holds row r's levels of one quad of values (Q4_0: two quads, in
+ * the two nibbles): a 256-bit load is one quad of values for 8 rows.
+ *
+ * Order of operations per (m, n) of these formats (their own, the same on every path, batch-
+ * invariant): for each block b ascending, the exact integer p_b = sum_j q_j * aq_j over the block's 32
+ * values (q: the signed level, Q4_0 nibble - 8), then acc = fma(float(p_b), d_b * da[m, b], acc) from
+ * acc = 0; no lanes, no reduction. It differs from the stored formats' int8-activation order (qdot8.h:
+ * 8 lanes of 4 values) by float rounding only: the same exact integers per block, summed in another order.
+ */
+
+#define FMT_Q4_0X8 6
+#define FMT_Q8_0X8 7
+
+static inline int x8_stored(const int fmt) { return fmt == FMT_Q8_0X8 ? FMT_Q8_0 : FMT_Q4_0; } /* its format */
+static inline int x8_groups(const int fmt) { return fmt == FMT_Q8_0X8 ? 8 : 4; } /* byte groups C */
+static inline long x8_block(const int fmt) { return 16 + 32L * x8_groups(fmt); } /* bytes per 8 row-blocks */
+
+/* Rows [N, nb * block bytes] of a stored format (FMT_Q4_0 or FMT_Q8_0; N a multiple of 8) into its
+ * repacked layout; returns 0, or -1 for another format. */
+int gs_repack_x8(int fmt, const uint8_t *src, long N, int K, uint8_t *dst) {
+    if (fmt != FMT_Q4_0 && fmt != FMT_Q8_0) return -1;
+    const int xf = fmt == FMT_Q8_0 ? FMT_Q8_0X8 : FMT_Q4_0X8, nb = K / 32, C = x8_groups(xf);
+    const long rb = row_bytes(fmt, K), bb = rb / nb, xb = x8_block(xf);
+    for (long g = 0; g < N / 8; g++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *o = dst + (g * nb + b) * xb;
+            for (int r = 0; r < 8; r++) {
+                const uint8_t *blk = src + (g * 8 + r) * rb + (long)b * bb;
+                memcpy(o + 2 * r, blk, 2);
+                for (int c = 0; c < C; c++) memcpy(o + 16 + 32 * c + 4 * r, blk + 2 + 4 * c, 4);
+            }
+        }
+    return 0;
+}
+
+/* Row n of a repacked matrix back in its stored format's bytes. */
+static void x8_row_to_stored(const int fmt, const uint8_t *w, int K, long n, uint8_t *row) {
+    const int nb = K / 32, r = (int)(n & 7), C = x8_groups(fmt);
+    const long xb = x8_block(fmt), bb = 2 + 4 * C;
+    const uint8_t *g = w + (n >> 3) * (long)nb * xb;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = g + (long)b * xb;
+        memcpy(row + b * bb, blk + 2 * r, 2);
+        for (int c = 0; c < C; c++) memcpy(row + b * bb + 2 + 4 * c, blk + 16 + 32 * c + 4 * r, 4);
+    }
+}
+
+#ifndef X8_PF
+#define X8_PF 4096 /* prefetch distance (bytes) along a group's stream */
+#endif
+
+/* res[m * 8 + r] for the 8 rows of group wg (format fmt, a compile-time constant) and M <= Q8_ROWS rows
+ * of int8 activations. */
+static inline __attribute__((always_inline)) void x8_group(const int fmt, const uint8_t *wg, int K,
+                                                           const int8_t *aq, const float *da, const int M,
+                                                           float *res) {
+    const int nb = K / 32, q8 = fmt == FMT_Q8_0X8;
+    const long xb = x8_block(fmt);
+#if defined(GS_AVX512) || defined(GS_AVX2)
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    /* Q8_0: unsigned levels q + 128 where the dot product instruction takes unsigned bytes (VNNI),
+     * else signed ones through q8_dot's sign trick; Q4_0: the nibbles (q + 8) */
+    const int c8 = q8 ? q8_offset(FMT_Q8_0) : 8;
+    __m256 acc[Q8_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + (long)b * xb;
+        for (int l = 0; l < (int)xb; l += 64) __builtin_prefetch(blk + X8_PF + l);
+        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256i lv[8];
+        if (q8) {
+            for (int c = 0; c < 8; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                lv[c] = c8 ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v;
+            }
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                lv[c] = _mm256_and_si256(v, m4);
+                lv[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            const int8_t *a = aq + (long)m * K + 32 * b;
+            int32_t aw[8], asum = 0;
+            memcpy(aw, a, 32);
+            if (c8)
+                for (int j = 0; j < 32; j++) asum += a[j];
+            __m256i p = _mm256_set1_epi32(-c8 * asum), p2 = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c += 2) {
+                p = q8 ? q8_dot(FMT_Q8_0, p, lv[c], _mm256_set1_epi32(aw[c]))
+                       : q8_dot_u(p, lv[c], _mm256_set1_epi32(aw[c]));
+                p2 = q8 ? q8_dot(FMT_Q8_0, p2, lv[c + 1], _mm256_set1_epi32(aw[c + 1]))
+                        : q8_dot_u(p2, lv[c + 1], _mm256_set1_epi32(aw[c + 1]));
+            }
+            p = _mm256_add_epi32(p, p2);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sc, _mm256_set1_ps(da[(long)m * nb + b])),
+                                     acc[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) _mm256_storeu_ps(res + 8 * m, acc[m]);
+#elif defined(GS_NEON)
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    const int8x16_t eight = vdupq_n_s8(8);
+    float32x4_t acc[Q8_ROWS][2];
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + (long)b * xb;
+        for (int l = 0; l < (int)xb; l += 64) __builtin_prefetch(blk + X8_PF + l);
+        const float16x8_t h = vreinterpretq_f16_u8(vld1q_u8(blk));
+        const float32x4_t sc[2] = {vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)};
+        int8x16_t lv[8][2]; /* [quad][rows 0-3, 4-7]: signed levels */
+        for (int half = 0; half < 2; half++) {
+            if (q8) {
+                for (int c = 0; c < 8; c++) lv[c][half] = vld1q_s8((const int8_t *)blk + 16 + 32 * c + 16 * half);
+            } else {
+                for (int c = 0; c < 4; c++) {
+                    const uint8x16_t v = vld1q_u8(blk + 16 + 32 * c + 16 * half);
+                    lv[c][half] = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, m4)), eight);
+                    lv[4 + c][half] = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), eight);
+                }
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            const int8_t *a = aq + (long)m * K + 32 * b;
+            int32_t aw[8];
+            memcpy(aw, a, 32);
+            const float32x4_t dv = vdupq_n_f32(da[(long)m * nb + b]);
+            for (int half = 0; half < 2; half++) {
+                int32x4_t p = vdupq_n_s32(0);
+                for (int c = 0; c < 8; c++)
+                    p = vaddq_s32(p, q8_dot16_neon(lv[c][half], vreinterpretq_s8_s32(vdupq_n_s32(aw[c]))));
+                acc[m][half] = vfmaq_f32(acc[m][half], vcvtq_f32_s32(p), vmulq_f32(sc[half], dv));
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        vst1q_f32(res + 8 * m, acc[m][0]);
+        vst1q_f32(res + 8 * m + 4, acc[m][1]);
+    }
+#else
+    float acc[Q8_ROWS][8] = {{0}};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + (long)b * xb;
+        for (int r = 0; r < 8; r++) {
+            const float d = f16_to_f32(blk + 2 * r);
+            for (int m = 0; m < M; m++) {
+                const int8_t *a = aq + (long)m * K + 32 * b;
+                int32_t p = 0;
+                for (int c = 0; c < x8_groups(fmt); c++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t byte = blk[16 + 32 * c + 4 * r + i];
+                        if (q8) {
+                            p += (int32_t)(int8_t)byte * a[4 * c + i];
+                        } else {
+                            p += ((int32_t)(byte & 0x0F) - 8) * a[4 * c + i];
+                            p += ((int32_t)(byte >> 4) - 8) * a[16 + 4 * c + i];
+                        }
+                    }
+                acc[m][r] = fmaf((float)p, d * da[(long)m * nb + b], acc[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < 8; r++) res[8 * m + r] = acc[m][r];
+#endif
+}
+
+/* The rows of scheduling unit t (sg->tile rows, a multiple of 8) of a repacked segment (fmt), for M rows of
+ * int8 activations (aq, da) or, without them, fp32 x (each row rebuilt in its stored format into a buffer: correct,
+ * not fast; the Python side passes this format only with int8 activations). */
+static inline __attribute__((always_inline)) void x8_tile(const int fmt, const gs_segment *sg, int K,
+                                                          const float *x, int M, const int8_t *aq,
+                                                          const float *da, float *y, long ldy, int t) {
+    const int nb = K / 32, N = sg->N;
+    const int n0 = t * sg->tile, n1 = n0 + sg->tile < N ? n0 + sg->tile : N;
+    if (!aq) {
+        const int sf = x8_stored(fmt);
+        const long rb = row_bytes(sf, K);
+        uint8_t *buf = (uint8_t *)malloc((size_t)(n1 - n0) * (size_t)rb);
+        if (!buf) return;
+        for (int n = n0; n < n1; n++) x8_row_to_stored(fmt, (const uint8_t *)sg->w, K, n, buf + (long)(n - n0) * rb);
+        const gs_segment tmp = {sf, n1 - n0, 32, sg->col + n0, buf, NULL, NULL, n1 - n0};
+        if (sf == FMT_Q8_0) qmatmul_tile(FMT_Q8_0, &tmp, K, x, NULL, M, NULL, NULL, y, ldy, 0);
+        else qmatmul_tile(FMT_Q4_0, &tmp, K, x, NULL, M, NULL, NULL, y, ldy, 0);
+        free(buf);
+        return;
+    }
+    for (int m0 = 0; m0 < M; m0 += Q8_ROWS) {
+        const int mm = M - m0 < Q8_ROWS ? M - m0 : Q8_ROWS;
+        const int8_t *a = aq + (long)m0 * K;
+        const float *d = da + (long)m0 * nb;
+        for (int n = n0; n < n1; n += 8) {
+            const uint8_t *wg = (const uint8_t *)sg->w + (long)(n >> 3) * nb * x8_block(fmt);
+            float res[Q8_ROWS * 8];
+            switch (mm) {
+                case 1: x8_group(fmt, wg, K, a, d, 1, res); break;
+                case 2: x8_group(fmt, wg, K, a, d, 2, res); break;
+                case 3: x8_group(fmt, wg, K, a, d, 3, res); break;
+                default: x8_group(fmt, wg, K, a, d, 4, res); break;
+            }
+            for (int m = 0; m < mm; m++)
+                for (int r = 0; r < 8; r++) y[(long)(m0 + m) * ldy + sg->col + n + r] = res[8 * m + r];
+        }
+    }
+}
