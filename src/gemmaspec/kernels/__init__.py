@@ -246,6 +246,8 @@ def matmul_library(isa: str = "auto"):
         fn.argtypes, fn.restype = args, None
     lib.gs_attention.argtypes = [P, ctypes.c_long, I, I, I, I, P, P, I, P, ctypes.c_float, ctypes.c_float, P]
     lib.gs_attention.restype = I
+    lib.gs_decode_layers.argtypes = [I, P, P, P, P, I, I, I, I, I, I, ctypes.c_float, ctypes.c_float, I, I, I]
+    lib.gs_decode_layers.restype = I
     lib.gs_repack_x8.argtypes = [I, P, ctypes.c_long, I, P]
     lib.gs_repack_x8.restype = I
     lib.gs_isa.argtypes = []
@@ -368,10 +370,18 @@ class CPUBlockWeight(BlockWeight):
     def _small(self, lib, x2: torch.Tensor, y: torch.Tensor) -> None:
         """y float32 [M, N] = x2 float32 [M, K] @ W.T in one call of the C kernel (M <= SMALL_M)."""
         m, k = x2.shape
-        key = "_kernel_args_q8" if _act_q8 else "_kernel_args"
+        cached = self.kernel_args(lib, _act_q8)
+        # the kernel computes the block sums of x that offsets (Q4_K) need itself (xsum NULL)
+        fn = lib.gs_qmatmul_multi_q8 if _act_q8 else lib.gs_qmatmul_multi
+        fn(*cached[0], k, _ptr(x2), None, m, _ptr(y), threads())
+
+    def kernel_args(self, lib, q8: bool) -> tuple:
+        """``((nseg, fmts, ws, ss, os, Gs, Ns), offset group, segments)``: the C kernel's arguments for
+        this weight (ctypes arrays) in the fp32 or the int8-activation mode, built once per mode."""
+        key = "_kernel_args_q8" if q8 else "_kernel_args"
         cached = self.__dict__.get(key)
         if cached is None:  # built once: the weight's tensors (and so their addresses) never change
-            segs = self._segments_q8(lib) if _act_q8 else self._segments()
+            segs = self._segments_q8(lib) if q8 else self._segments()
             ns = len(segs)
             arr = lambda ctype, vals: (ctype * ns)(*vals)  # noqa: E731
             P = ctypes.c_void_p
@@ -382,9 +392,7 @@ class CPUBlockWeight(BlockWeight):
                 arr(ctypes.c_int, [s[4] for s in segs]), arr(ctypes.c_int, [s[5] for s in segs])),
                 self._offset_group(), segs)  # segs: keeps the tensors the addresses point into alive
             self.__dict__[key] = cached
-        # the kernel computes the block sums of x that offsets (Q4_K) need itself (xsum NULL)
-        fn = lib.gs_qmatmul_multi_q8 if _act_q8 else lib.gs_qmatmul_multi
-        fn(*cached[0], k, _ptr(x2), None, m, _ptr(y), threads())
+        return cached
 
     def _dequant_rows(self, lib, n0: int, n1: int, out: torch.Tensor) -> None:
         """Rows n0..n1-1 of W into float32 ``out`` [>= n1 - n0, K] (the C kernel's dequantizer)."""

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import Gemma3Config
+from .decode_step import run_layers
 from ..kernels import SMALL_M, BlockWeight, StackedWeight
 from ..kv_cache import KVCache
 from .base import (ForwardOutput, add_rms_norm, apply_rope, attention, gelu_mul, linear, norm_rope, rms_norm,
@@ -216,7 +217,8 @@ class Gemma3Model:
         x = self.embed_tokens(tokens)
         plans = [{True: cache.plan(s, tok.shape[0], c.sliding_window), False: cache.plan(s, tok.shape[0], None)}
                  for s, (tok, cache) in zip(starts, seqs)]
-        for li, layer in enumerate(self.layers):
+        fast = run_layers(self, x, seqs[0][1], starts[0], plans[0], rope) if single else None
+        for li, layer in enumerate(self.layers if fast is None else []):
             h = rms_norm(x, layer.attn_norm, eps)
             cos, sin = rope[layer.sliding]
             if layer.qkv is not None:
@@ -243,6 +245,8 @@ class Gemma3Model:
             else:
                 f = lin(layer.down, F.gelu(lin(layer.gate, h), approximate="tanh") * lin(layer.up, h))
             x = add_rms_norm(x, f, layer.post_ffn_norm, eps)
+        if fast is not None:
+            x = fast
         for s, (tok, cache) in zip(starts, seqs):
             cache.advance(s, tok.shape[0])
         hidden = rms_norm(x, self.final_norm, eps)
