@@ -273,6 +273,7 @@ _FMT = {"Q4_0": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
 # Q4_0 and Q8_0 repacked 8 rows at a time for the int8-activation products (x8.h)
 FMT_Q4_0X8, FMT_Q8_0X8 = 6, 7
 _X8 = {"Q4_0": FMT_Q4_0X8, "Q8_0": FMT_Q8_0X8}
+_REPACK_ROWS = 8192  # rows repacked before the stored ones are released (a multiple of 8)
 _HAS_OFFSETS = ("Q4_K",)
 
 
@@ -562,11 +563,13 @@ class StoredWeight(CPUBlockWeight):
         if self.qtype not in _X8 or n % 8:
             return self._segments()
         if self.__dict__.get("_x8") is None:
-            x8 = torch.empty_like(self.raw)
-            if lib.gs_repack_x8(_FMT[self.qtype], self.raw.data_ptr(), n, self.k, x8.data_ptr()) != 0:
-                return self._segments()
+            x8 = torch.empty_like(self.raw)  # pages are only taken as they are written
+            for r0 in range(0, n, _REPACK_ROWS):  # chunk by chunk, so the peak stays one chunk above
+                r1 = min(n, r0 + _REPACK_ROWS)
+                if lib.gs_repack_x8(_FMT[self.qtype], self.raw[r0].data_ptr(), r1 - r0, self.k, x8[r0].data_ptr()):
+                    return self._segments()
+                _release(self.raw[r0:r1])
             self._x8 = x8
-            _release(self.raw)
         return [(_X8[self.qtype], self._x8, None, None, 32, n)]
 
     def _read_segments(self) -> list[tuple]:

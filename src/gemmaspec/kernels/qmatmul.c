@@ -1048,11 +1048,13 @@ void gs_qmatmul_stored(int fmt, const uint8_t *blocks, int N, int K, const float
  * every format holding the same weights. */
 static void dequant_row(int fmt, const void *w, const float *s, const float *o, int G, int K, long n, float *out) {
     if (fmt == FMT_Q4_0X8 || fmt == FMT_Q8_0X8) { /* rebuilt as a stored row first */
-        uint8_t *row = (uint8_t *)malloc((size_t)row_bytes(x8_stored(fmt), K));
+        uint8_t stack[8192];
+        const size_t rb = (size_t)row_bytes(x8_stored(fmt), K);
+        uint8_t *row = rb <= sizeof stack ? stack : (uint8_t *)malloc(rb);
         if (!row) return;
         x8_row_to_stored(fmt, (const uint8_t *)w, K, n, row);
         dequant_row(x8_stored(fmt), row, NULL, NULL, 32, K, 0, out);
-        free(row);
+        if (row != stack) free(row);
         return;
     }
     G = fmt_group(fmt, G);
