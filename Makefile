@@ -54,7 +54,7 @@ run: setup
 	$(VENV)/bin/gemmaspec generate -p "$$PROMPT" $(SPEC) --temp $(TEMP) $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: setup
 	$(PY) benchmarks/decode.py

@@ -248,7 +248,7 @@ def matmul_library(isa: str = "auto"):
     lib.gs_attention.restype = I
     lib.gs_decode_layers.argtypes = [I, P, P, P, P, I, I, I, I, I, I, ctypes.c_float, ctypes.c_float, I, I, I]
     lib.gs_decode_layers.restype = I
-    lib.gs_repack_x8.argtypes = [I, P, ctypes.c_long, I, P]
+    lib.gs_repack_x8.argtypes = [I, P, ctypes.c_long, I, P, I]
     lib.gs_repack_x8.restype = I
     lib.gs_isa.argtypes = []
     lib.gs_isa.restype = ctypes.c_char_p
@@ -566,7 +566,8 @@ class StoredWeight(CPUBlockWeight):
             x8 = torch.empty_like(self.raw)  # pages are only taken as they are written
             for r0 in range(0, n, _REPACK_ROWS):  # chunk by chunk, so the peak stays one chunk above
                 r1 = min(n, r0 + _REPACK_ROWS)
-                if lib.gs_repack_x8(_FMT[self.qtype], self.raw[r0].data_ptr(), r1 - r0, self.k, x8[r0].data_ptr()):
+                if lib.gs_repack_x8(_FMT[self.qtype], self.raw[r0].data_ptr(), r1 - r0, self.k, x8[r0].data_ptr(),
+                                    threads()):
                     return self._segments()
                 _release(self.raw[r0:r1])
             self._x8 = x8

@@ -29,21 +29,37 @@ static inline int x8_stored(const int fmt) { return fmt == FMT_Q8_0X8 ? FMT_Q8_0
 static inline int x8_groups(const int fmt) { return fmt == FMT_Q8_0X8 ? 8 : 4; } /* byte groups C */
 static inline long x8_block(const int fmt) { return 16 + 32L * x8_groups(fmt); } /* bytes per 8 row-blocks */
 
-/* Rows [N, nb * block bytes] of a stored format (FMT_Q4_0 or FMT_Q8_0; N a multiple of 8) into its
- * repacked layout; returns 0, or -1 for another format. */
-int gs_repack_x8(int fmt, const uint8_t *src, long N, int K, uint8_t *dst) {
-    if (fmt != FMT_Q4_0 && fmt != FMT_Q8_0) return -1;
-    const int xf = fmt == FMT_Q8_0 ? FMT_Q8_0X8 : FMT_Q4_0X8, nb = K / 32, C = x8_groups(xf);
-    const long rb = row_bytes(fmt, K), bb = rb / nb, xb = x8_block(xf);
-    for (long g = 0; g < N / 8; g++)
+typedef struct {
+    int fmt, K;
+    const uint8_t *src;
+    uint8_t *dst;
+    long groups;
+} x8_repack_job;
+
+#define X8_REPACK_GROUPS 64 /* groups of 8 rows per task */
+
+static void x8_repack_task(void *ctx, int t) {
+    const x8_repack_job *j = (const x8_repack_job *)ctx;
+    const int fmt = j->fmt, xf = fmt == FMT_Q8_0 ? FMT_Q8_0X8 : FMT_Q4_0X8, nb = j->K / 32, C = x8_groups(xf);
+    const long rb = row_bytes(fmt, j->K), bb = rb / nb, xb = x8_block(xf);
+    const long g0 = (long)t * X8_REPACK_GROUPS, g1 = g0 + X8_REPACK_GROUPS < j->groups ? g0 + X8_REPACK_GROUPS : j->groups;
+    for (long g = g0; g < g1; g++)
         for (int b = 0; b < nb; b++) {
-            uint8_t *o = dst + (g * nb + b) * xb;
+            uint8_t *o = j->dst + (g * nb + b) * xb;
             for (int r = 0; r < 8; r++) {
-                const uint8_t *blk = src + (g * 8 + r) * rb + (long)b * bb;
+                const uint8_t *blk = j->src + (g * 8 + r) * rb + (long)b * bb;
                 memcpy(o + 2 * r, blk, 2);
                 for (int c = 0; c < C; c++) memcpy(o + 16 + 32 * c + 4 * r, blk + 2 + 4 * c, 4);
             }
         }
+}
+
+/* Rows [N, nb * block bytes] of a stored format (FMT_Q4_0 or FMT_Q8_0; N a multiple of 8) into its
+ * repacked layout, on nthreads threads; returns 0, or -1 for another format. */
+int gs_repack_x8(int fmt, const uint8_t *src, long N, int K, uint8_t *dst, int nthreads) {
+    if (fmt != FMT_Q4_0 && fmt != FMT_Q8_0) return -1;
+    x8_repack_job job = {fmt, K, src, dst, N / 8};
+    gs_parallel((int)((N / 8 + X8_REPACK_GROUPS - 1) / X8_REPACK_GROUPS), nthreads, x8_repack_task, &job);
     return 0;
 }
 
