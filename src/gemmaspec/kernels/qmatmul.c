@@ -1104,15 +1104,19 @@ void gs_dequant_ids(int fmt, const void *w, const float *s, const float *o, int 
  * lane sums over d (d a multiple of 8), added in a fixed order: the same bits for a row whatever the
  * number of rows, so norms keep batch invariance. For a few rows (decode): one call instead of the ten
  * small PyTorch ops of torch.nn.functional.rms_norm. */
+static inline float rms_inv(const float *xr, int d, float eps) { /* 1 / sqrt(mean(x^2) + eps), fixed order */
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int i = 0; i < d; i += 8)
+        for (int j = 0; j < 8; j++) a[j] += xr[i + j] * xr[i + j];
+    const float ss = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+    return 1.0f / sqrtf(ss / (float)d + eps);
+}
+
 void gs_rms_norm(const float *x, const float *w, int rows, int d, float eps, float *out) {
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (long)r * d;
         float *o = out + (long)r * d;
-        float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int i = 0; i < d; i += 8)
-            for (int j = 0; j < 8; j++) a[j] += xr[i + j] * xr[i + j];
-        const float ss = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        const float inv = rms_inv(xr, d, eps);
         if (w)
             for (int i = 0; i < d; i++) o[i] = (xr[i] * inv) * w[i];
         else
@@ -1138,11 +1142,7 @@ void gs_norm_rope(const float *x, long ldx, int n, int heads, int d, const float
             const float *xh = x + (long)r * ldx + (long)h * d;
             const float *w = h < first_heads ? w_first : w_rest;
             float *o = out + ((long)r * heads + h) * d;
-            float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int i = 0; i < d; i += 8)
-                for (int j = 0; j < 8; j++) a[j] += xh[i + j] * xh[i + j];
-            const float ss = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-            const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+            const float inv = rms_inv(xh, d, eps);
             for (int i = 0; i < d; i++) y[i] = (xh[i] * inv) * w[i];
             for (int i = 0; i < half; i++) o[i] = y[i] * c[i] + (-y[i + half]) * s[i];
             for (int i = half; i < d; i++) o[i] = y[i] * c[i] + y[i - half] * s[i];

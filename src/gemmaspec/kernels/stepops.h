@@ -128,11 +128,7 @@ void gs_add_rms_norm(const float *a, const float *w, int rows, int d, float eps,
     for (int r = 0; r < rows; r++) {
         const float *ar = a + (long)r * d, *xr = x + (long)r * d;
         float *o = out + (long)r * d;
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int i = 0; i < d; i += 8)
-            for (int j = 0; j < 8; j++) acc[j] += ar[i + j] * ar[i + j];
-        const float ss = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        const float inv = rms_inv(ar, d, eps); /* gs_rms_norm's */
         if (w)
             for (int i = 0; i < d; i++) o[i] = xr[i] + (ar[i] * inv) * w[i];
         else
