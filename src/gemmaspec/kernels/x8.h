@@ -80,10 +80,11 @@ static void x8_row_to_stored(const int fmt, const uint8_t *w, int K, long n, uin
 #endif
 
 /* res[m * 8 + r] for the 8 rows of group wg (format fmt, a compile-time constant) and M <= Q8_ROWS rows
- * of int8 activations. */
+ * of int8 activations; as: their block sums sum_j aq_j [M, nb] (x8_tile computes them once per tile),
+ * which the unsigned-level dot products correct by. */
 static inline __attribute__((always_inline)) void x8_group(const int fmt, const uint8_t *wg, int K,
-                                                           const int8_t *aq, const float *da, const int M,
-                                                           float *res) {
+                                                           const int8_t *aq, const float *da,
+                                                           const int32_t *as, const int M, float *res) {
     const int nb = K / 32, q8 = fmt == FMT_Q8_0X8;
     const long xb = x8_block(fmt);
 #if defined(GS_AVX512) || defined(GS_AVX2)
@@ -112,11 +113,9 @@ static inline __attribute__((always_inline)) void x8_group(const int fmt, const 
         }
         for (int m = 0; m < M; m++) {
             const int8_t *a = aq + (long)m * K + 32 * b;
-            int32_t aw[8], asum = 0;
+            int32_t aw[8];
             memcpy(aw, a, 32);
-            if (c8)
-                for (int j = 0; j < 32; j++) asum += a[j];
-            __m256i p = _mm256_set1_epi32(-c8 * asum), p2 = _mm256_setzero_si256();
+            __m256i p = _mm256_set1_epi32(-c8 * as[(long)m * nb + b]), p2 = _mm256_setzero_si256();
             for (int c = 0; c < 8; c += 2) {
                 p = q8 ? q8_dot(FMT_Q8_0, p, lv[c], _mm256_set1_epi32(aw[c]))
                        : q8_dot_u(p, lv[c], _mm256_set1_epi32(aw[c]));
@@ -220,17 +219,27 @@ static inline __attribute__((always_inline)) void x8_tile(const int fmt, const g
         const int mm = M - m0 < Q8_ROWS ? M - m0 : Q8_ROWS;
         const int8_t *a = aq + (long)m0 * K;
         const float *d = da + (long)m0 * nb;
+        int32_t stack[Q8_ROWS * 256];
+        int32_t *as = mm * nb <= Q8_ROWS * 256 ? stack : (int32_t *)malloc(sizeof(int32_t) * (size_t)mm * nb);
+        if (!as) return;
+        for (int m = 0; m < mm; m++) /* block sums of the activations, once per tile */
+            for (int b = 0; b < nb; b++) {
+                int32_t t = 0;
+                for (int j = 0; j < 32; j++) t += a[(long)m * K + 32 * b + j];
+                as[m * nb + b] = t;
+            }
         for (int n = n0; n < n1; n += 8) {
             const uint8_t *wg = (const uint8_t *)sg->w + (long)(n >> 3) * nb * x8_block(fmt);
             float res[Q8_ROWS * 8];
             switch (mm) {
-                case 1: x8_group(fmt, wg, K, a, d, 1, res); break;
-                case 2: x8_group(fmt, wg, K, a, d, 2, res); break;
-                case 3: x8_group(fmt, wg, K, a, d, 3, res); break;
-                default: x8_group(fmt, wg, K, a, d, 4, res); break;
+                case 1: x8_group(fmt, wg, K, a, d, as, 1, res); break;
+                case 2: x8_group(fmt, wg, K, a, d, as, 2, res); break;
+                case 3: x8_group(fmt, wg, K, a, d, as, 3, res); break;
+                default: x8_group(fmt, wg, K, a, d, as, 4, res); break;
             }
             for (int m = 0; m < mm; m++)
                 for (int r = 0; r < 8; r++) y[(long)(m0 + m) * ldy + sg->col + n + r] = res[8 * m + r];
         }
+        if (as != stack) free(as);
     }
 }

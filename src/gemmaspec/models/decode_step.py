@@ -36,6 +36,7 @@ class _Kind(ctypes.Structure):
 
 
 def _prod(lib, w: CPUBlockWeight, q8: bool) -> _Prod:
+    """Points into the ctypes arrays that ``w.kernel_args`` keeps on the weight (so they stay alive)."""
     (ns, fmts, ws, ss, os_, gs, n), _, _ = w.kernel_args(lib, q8)
     a = ctypes.addressof
     return _Prod(ns, a(fmts), a(ws), a(ss), a(os_), a(gs), a(n))
@@ -65,7 +66,6 @@ def _layers(model, lib, q8: bool):
                             ly.post_attn_norm.data_ptr(), ly.ffn_norm.data_ptr(), ly.post_ffn_norm.data_ptr(),
                             _prod(lib, ly.qkv, q8), _prod(lib, ly.o, q8), _prod(lib, ly.gate_up, q8),
                             _prod(lib, ly.down, q8), int(ly.sliding))
-        arr._keep = [ly.qkv.kernel_args(lib, q8) for ly in model.layers]  # the ctypes arrays pointed to
     model.__dict__[key] = arr
     return arr
 
