@@ -217,3 +217,27 @@ def test_init_starts_from_another_runs_weights(target, chunks, tmp_path):
     row = {t: i for i, t in enumerate(third.token_map.tolist())}
     for i, t in enumerate(first.token_map.tolist()):
         assert torch.equal(first.state_dict()[head][i], third.state_dict()[head][row[t]])
+    # from an exported assistant GGUF (f32: exact), as from the checkpoint
+    export_gguf(first.config, first.gguf_weights(), tmp_path / "a.gguf", "f32")
+    fourth, _ = train(target, chunks, tmp_path / "d", other, progress=False, stop_after=0,
+                      init=tmp_path / "a.gguf", log=lambda *a: None)
+    assert all(torch.equal(v, fourth.state_dict()[k]) for k, v in first.state_dict().items())
+    # q8_0: the dequantized matrices
+    export_gguf(first.config, first.gguf_weights(), tmp_path / "a8.gguf", "q8_0")
+    fifth, _ = train(target, chunks, tmp_path / "e", other, progress=False, stop_after=0,
+                     init=tmp_path / "a8.gguf", log=lambda *a: None)
+    from gemmaspec.training.train import load_init
+
+    q8 = load_init(tmp_path / "a8.gguf")["model"]
+    assert all(torch.equal(q8[k], fifth.state_dict()[k]) for k in q8 if k != head)
+    w = first.state_dict()["params.blk__0__ffn_up__weight"]
+    assert 0 < (q8["params.blk__0__ffn_up__weight"] - w).abs().max() <= w.abs().max() / 127
+    import gguf
+    import numpy as np
+
+    other_arch = gguf.GGUFWriter(str(tmp_path / "g3.gguf"), "gemma3")  # not an assistant
+    other_arch.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    other_arch.write_header_to_file(), other_arch.write_kv_data_to_file(), other_arch.write_tensors_to_file()
+    other_arch.close()
+    with pytest.raises(ValueError, match="reduced head.*'gemma3'"):
+        load_init(tmp_path / "g3.gguf")

@@ -28,8 +28,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--self-sample-frac", type=float, default=0.33,
                    help="fraction of --self-prompts continued by sampling (the rest greedy)")
     t.add_argument("--init", default=None,
-                   help="start a new run from another run's checkpoint (ckpt.pt): its weights, draft vocabulary and "
-                        "architecture; fresh optimiser and schedule")
+                   help="start a new run from another run's checkpoint (ckpt.pt) or from an assistant GGUF train-drafter "
+                        "wrote (e.g. the shipped one): its weights and architecture; the draft vocabulary is chosen "
+                        "from this run's data (shared tokens keep their head rows); fresh optimiser and schedule")
     t.add_argument("--out", required=True, help="the assistant GGUF to write")
     t.add_argument("--work-dir", default=None, help="checkpoints and history (default: OUT without .gguf + '.run')")
     t.add_argument("--width", type=int, default=256)
@@ -170,12 +171,16 @@ def run_train(args) -> int:
                              eval_every=args.eval_every, warmup=args.warmup)
     try:
         if args.init and not Path(args.init).is_file():
-            raise InputError(f"--init {args.init}: no such checkpoint")
+            raise InputError(f"--init {args.init}: no such checkpoint or GGUF")
         assistant, history = train(model, paths, work, settings, resume=args.resume,
                                    max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
                                    init=Path(args.init) if args.init else None, held_paths=held_paths)
     except KeyboardInterrupt:
         return 130
+    except ValueError as e:
+        if args.init and str(args.init) in str(e):
+            raise InputError(str(e)) from None
+        raise
     outtype = args.outtype or ("q4_0" if settings.qat == "q4_0" else "q8_0")
     res = export_gguf(assistant.config, assistant.gguf_weights(), out, outtype,
                       name=f"gemmaspec assistant for {target_path.name}")

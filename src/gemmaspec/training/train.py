@@ -165,6 +165,47 @@ def load_remapped(model, state: dict, old_map: torch.Tensor) -> dict:
     return {"rows_copied": int(hit.sum())}
 
 
+def load_init(path: Path) -> dict:
+    """The weights a new run starts from (``--init``): another run's checkpoint (``ckpt.pt``) or an
+    assistant GGUF this trainer wrote (a reduced-head ``gemma4-assistant``: ``draft_token_map`` present;
+    Q4_0 / Q8_0 / F16 / F32 matrices are dequantized to float32). Returns ``{"model": state dict,
+    "token_map": int64 [N], "settings": {"width", "layers", "heads", "ffn"}}``.
+
+    Raises:
+        ValueError: a GGUF that is not a reduced-head ``gemma4-assistant`` (e.g. Google's full or
+            clustered head), or that misses one of the tensors the trainable assistant has.
+    """
+    path = Path(path)
+    if path.suffix != ".gguf":
+        start = torch.load(path, weights_only=False)
+        return {"model": start["model"], "token_map": start["token_map"],
+                "settings": {f: start["settings"][f] for f in ("width", "layers", "heads", "ffn")}}
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
+    tensors = {}
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims fastest first
+        arr = gguf.quants.dequantize(t.data, t.tensor_type) if t.tensor_type not in (
+            gguf.GGMLQuantizationType.I32,) else np.asarray(t.data)
+        tensors[t.name] = torch.from_numpy(np.array(arr).reshape(shape))
+    if arch != "gemma4-assistant" or "draft_token_map" not in tensors:
+        raise ValueError(f"{path}: --init needs an assistant GGUF with a reduced head (draft_token_map), as "
+                         f"train-drafter writes; this file is {arch!r}"
+                         + ("" if arch != "gemma4-assistant" else " with a full or clustered head"))
+    layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))
+    head_dim = tensors["blk.0.attn_q_norm.weight"].shape[0]
+    settings = {"width": tensors["output_norm.weight"].shape[0], "layers": layers,
+                "heads": tensors["blk.0.attn_q.weight"].shape[0] // head_dim,
+                "ffn": tensors["blk.0.ffn_gate.weight"].shape[0]}
+    state = {"params." + n.replace(".", "__"): v.float() for n, v in tensors.items()
+             if n not in ("draft_token_map", "rope_freqs.weight")}
+    return {"model": state, "token_map": tensors["draft_token_map"].long(), "settings": settings}
+
+
 def save_checkpoint(path: Path, model, opt, settings: TrainSettings, step: int, history: list) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "settings": dataclasses.asdict(settings),
@@ -186,13 +227,15 @@ def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSetting
     ``held_paths``: the held-out chunks (default: the last ``settings.held_out`` fraction of
     ``chunk_paths``), kept out of training for the acceptance estimate.
 
-    ``init``: a checkpoint of another run to start from (a new run only): its architecture (width,
+    ``init``: a checkpoint of another run, or an assistant GGUF this trainer wrote (:func:`load_init`),
+    to start from (a new run only): its architecture (width,
     layers, heads, FFN) and weights are taken, the optimiser and schedule start afresh. The draft
     vocabulary is chosen from this run's data (``settings.draft_vocab`` rows); head rows of tokens the
     checkpoint's vocabulary also has are copied from it, the others start as in a new run.
 
     Raises:
-        ValueError: no chunks, or a resumed checkpoint for another draft vocabulary.
+        ValueError: no chunks, a resumed checkpoint for another draft vocabulary, or an ``init`` GGUF
+            that is not a reduced-head assistant (:func:`load_init`).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -208,9 +251,8 @@ def train(target, chunk_paths: list[Path], out_dir: Path, settings: TrainSetting
         settings = dataclasses.replace(saved, qat=settings.qat or saved.qat, steps=max(saved.steps, settings.steps))
     start = None
     if ckpt is None and init is not None:
-        start = torch.load(init, weights_only=False)
-        arch = {f: start["settings"][f] for f in ("width", "layers", "heads", "ffn")}
-        settings = dataclasses.replace(settings, **arch)
+        start = load_init(init)
+        settings = dataclasses.replace(settings, **start["settings"])
     if held_paths is not None:
         train_chunks, held = chunks, [Chunk.load(p) for p in held_paths]
     else:
