@@ -46,6 +46,7 @@ $(VENV)/.installed: pyproject.toml
 	*)    echo "TORCH must be auto, cpu or cuda (got $$torch)" >&2; exit 2 ;; \
 	esac
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m compileall -q src/gemmaspec >/dev/null  # bytecode now: the first start need not compile (~0.1 s)
 	touch $@
 
 setup: $(VENV)/.installed

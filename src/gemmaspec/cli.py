@@ -265,6 +265,13 @@ def _load(args):
     """Checks the spec flags and the memory (a setup that does not fit is refused before loading),
     then loads the engine and drafter: ``(engine, drafter, n_max, load_s)``; the estimate's line is
     kept in ``args.memory_line`` for :func:`_print_memory`."""
+    from .heap import startup_heap
+
+    with startup_heap():
+        return _load_quietly(args)
+
+
+def _load_quietly(args):
     from .loader import load_drafter, load_engine, memory_estimate, resolve_models
 
     resolve_models(args)

@@ -63,6 +63,13 @@ def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", th
     Raises:
         GemmaspecError: bad file, unsupported model, bad device or context size.
     """
+    from .heap import startup_heap
+
+    with startup_heap():  # no full garbage collection while loading; what is loaded is frozen
+        return _load_engine(path, ctx_size, device, threads)
+
+
+def _load_engine(path, ctx_size, device, threads) -> Engine:
     set_threads(threads)
     loaded = load_checkpoint(path, resolve_device(device), role="target")
     if loaded.model.device.type == "cpu":

@@ -13,6 +13,7 @@ BOS follows the file's ``tokenizer.ggml.add_bos_token``. The chat template is th
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -34,9 +35,12 @@ GEMMA_CHAT_TEMPLATE = (
 )
 
 
-def _generation_extension():
-    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks the assistant's tokens for
-    training masks): rendered as its body."""
+@functools.lru_cache(maxsize=None)
+def template_extensions() -> tuple:
+    """Jinja extensions chat templates get, as transformers gives them: ``{% break %}`` /
+    ``{% continue %}`` and ``{% generation %}...{% endgeneration %}`` (it marks the assistant's tokens
+    for training masks; rendered as its body). Built on first use: importing Jinja costs start-up time
+    that a raw-text prompt does not need."""
     from jinja2.ext import Extension
 
     class Generation(Extension):
@@ -46,12 +50,7 @@ def _generation_extension():
             next(parser.stream)
             return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
-    return Generation
-
-
-TEMPLATE_EXTENSIONS = ["jinja2.ext.loopcontrols", _generation_extension()]
-"""Jinja extensions chat templates get, as transformers gives them: ``{% break %}`` /
-``{% continue %}`` and ``{% generation %}``."""
+    return ("jinja2.ext.loopcontrols", Generation)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -280,7 +279,7 @@ class GemmaTokenizer:
         def raise_exception(msg):
             raise InputError(f"chat template: {msg}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=TEMPLATE_EXTENSIONS)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=list(template_extensions()))
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = _strftime_now  # as transformers gives templates (dates in system prompts)
         # templates may also use {% break %} / {% continue %} (transformers enables loopcontrols) and

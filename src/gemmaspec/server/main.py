@@ -119,9 +119,9 @@ def chat_template_of(args) -> str | None:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
-        from ..tokenizer import TEMPLATE_EXTENSIONS
+        from ..tokenizer import template_extensions
 
-        ImmutableSandboxedEnvironment(extensions=TEMPLATE_EXTENSIONS).parse(text)
+        ImmutableSandboxedEnvironment(extensions=list(template_extensions())).parse(text)
     except jinja2.TemplateError as exc:
         raise InputError(f"the chat template does not parse: {exc}") from None
     return text
