@@ -385,6 +385,43 @@ def test_logit_bias_bans_and_forces(srv, tokenizer):
     assert forced["tokens"] == [forced_id] * 3
 
 
+def _stream_text(srv, path, body) -> str:
+    text = []
+    with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ev = json.loads(line[6:])
+                ch = ev.get("choices") or [{}]
+                text.append(ev.get("content") or ch[0].get("text") or (ch[0].get("delta") or {}).get("content") or "")
+    return "".join(text)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/completion", "/v1/chat/completions"])
+def test_ignore_eos_bans_end_of_generation_tokens(srv, tokenizer, path):
+    """llama-server's ``ignore_eos``: EOS and end of turn get a logit bias of -inf, so they are never
+    generated (a bias forcing EOS loses to the ban), streamed or not, with drafting or without."""
+    eos = sorted(tokenizer.stop_ids)
+    body = {"max_tokens": 6, "temperature": 0, "logit_bias": [[eos[0], 50]]}
+    body |= {"messages": [{"role": "user", "content": "Count: 1, 2, 3"}]} if "chat" in path else \
+        {"prompt": "Count: 1, 2, 3"}
+    forced = _post(srv, path, body).json()  # EOS forced: generation ends at once
+    usage = forced.get("usage") or {"completion_tokens": forced.get("tokens_predicted")}
+    assert usage["completion_tokens"] <= 1
+    banned = {**body, "logit_bias": [[t, False] for t in eos]}  # llama-server's "false" = ban
+    want = _post(srv, path, banned).json()
+    texts = set()
+    for extra in ({}, {"speculative.n_max": 0}):
+        on = {**body, "ignore_eos": True, **extra}
+        got = _post(srv, path, on).json()
+        assert (got.get("usage") or {"completion_tokens": got.get("tokens_predicted")})["completion_tokens"] == 6
+        text = got.get("content") if "content" in got else (got["choices"][0].get("text")
+                                                            or got["choices"][0]["message"]["content"])
+        texts |= {text, _stream_text(srv, path, on)}
+    want_text = want.get("content") if "content" in want else (want["choices"][0].get("text")
+                                                                or want["choices"][0]["message"]["content"])
+    assert texts == {want_text} and want_text
+
+
 @pytest.mark.parametrize("penalty", [{"frequency_penalty": 1.5}, {"presence_penalty": 0.3, "repeat_penalty": 1.05}])
 def test_penalties_change_the_output_and_drafting_does_not(srv, penalty):
     body = {"prompt": REPEAT, "max_tokens": 24, "ignore_eos": True}

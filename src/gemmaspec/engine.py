@@ -21,7 +21,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from .errors import InputError
-from .sampling import Sampler, SamplingParams, filtered_probs
+from .sampling import Sampler, SamplingParams, ban_end_of_generation, filtered_probs
 from .speculative.adaptive import AdaptiveDraftLength
 from .speculative.drafters import DraftContext, Drafter, NoDrafter
 from .speculative.stats import SpecStats
@@ -110,7 +110,9 @@ class RequestState:
     Args:
         engine: the :class:`Engine` (model, tokenizer, context size).
         prompt_ids: the prompt's token ids (BOS included when the model wants it).
-        params: sampling parameters (validated here).
+        params: sampling parameters (validated here). ``params.ignore_eos`` bans the end-of-generation
+            tokens (EOS, end of turn: a logit bias of -inf added, as llama.cpp does), so they are never
+            sampled (not with a ``constraint``, whose grammar may need them to end).
         drafter: who proposes draft tokens (None: plain decoding); reset here.
         n_max: most draft tokens per round, or ``"auto"`` (adaptive per round).
         n_min: a proposal shorter than this is not verified.
@@ -136,6 +138,8 @@ class RequestState:
                  logprobs: int | None = None, constraint=None, post_sampling: bool = False):
         params.validate()
         engine.check_prompt(prompt_ids)
+        if constraint is None:  # ignore_eos bans the end-of-generation tokens (llama.cpp's way)
+            params = ban_end_of_generation(params, engine.tokenizer.stop_ids)
         self.controller = None
         if n_max == "auto":
             self.controller = AdaptiveDraftLength(engine.forward_costs(), n_cap=min(8, engine.max_rollback - 1))

@@ -12,7 +12,7 @@ without speculation, at any draft length and batch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -40,7 +40,8 @@ class SamplingParams:
         frequency_penalty: subtracted from a token's logit once per occurrence in the last
             ``repeat_last_n`` tokens (OpenAI's ``frequency_penalty``, -2..2); 0 disables.
         logit_bias: ``((token id, bias), ...)`` added to the logits before everything else; a bias of
-            ``-inf`` (OpenAI's -100 maps to it at the server) bans the token.
+            ``-inf`` (OpenAI's -100 maps to it at the server) bans the token; biases of a token listed
+            twice add up.
     """
 
     temperature: float = 0.8
@@ -92,6 +93,15 @@ class SamplingParams:
                 and not self.logit_bias)
 
 
+def ban_end_of_generation(params: SamplingParams, stop_ids) -> SamplingParams:
+    """``params`` with ``ignore_eos`` made as llama.cpp makes it: a logit bias of -inf on every
+    end-of-generation token (``stop_ids``: EOS, end of turn) appended, so they are never sampled;
+    ``params`` unchanged without ``ignore_eos``."""
+    if not params.ignore_eos:
+        return params
+    return replace(params, logit_bias=params.logit_bias + tuple((t, -math.inf) for t in sorted(stop_ids)))
+
+
 def apply_repeat_penalty(logits: torch.Tensor, history, params: SamplingParams) -> torch.Tensor:
     """logits float32 [V] after the logit bias, then llama.cpp's penalties over the last
     ``repeat_last_n`` ids of ``history``: the repetition penalty (divide positive / multiply negative
@@ -101,7 +111,9 @@ def apply_repeat_penalty(logits: torch.Tensor, history, params: SamplingParams) 
     logits = logits.clone()
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=logits.device)
-        logits[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype, device=logits.device)
+        # index_add_: biases of a token listed twice add up (a ban, -inf, wins over any other bias)
+        logits.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype,
+                                               device=logits.device))
     window = list(history[-params.repeat_last_n:]) if params.repeat_last_n and history else []
     if not window:
         return logits

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from ..errors import GemmaspecError
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, ban_end_of_generation
 from ..streaming import stop_matcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .scheduler import Job, Scheduler
@@ -39,6 +39,14 @@ from .tools import parse_tools, render_history, tools_grammar, with_tools_prompt
 log = logging.getLogger("gemmaspec.server")
 
 PUBLIC_PATHS = {"/", "/health", "/v1/health", "/v1/models", "/models"}  # llama-server's public set + the page
+
+
+def logit_bias_json(params: SamplingParams, stop_ids) -> list[dict]:
+    """llama-server's ``generation_settings.logit_bias``: ``[{"bias", "token"}, ...]`` as the request
+    is sampled (``ignore_eos``'s bans on the end-of-generation tokens included), a ban (-inf) as
+    ``null``, which is how llama-server writes it (JSON has no infinity)."""
+    p = ban_end_of_generation(params, stop_ids)
+    return [{"bias": None if b == float("-inf") else b, "token": t} for t, b in p.logit_bias]
 
 
 @dataclass
@@ -220,7 +228,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         return {"n_predict": n_pred, "max_tokens": n_pred, "seed": p.seed, "temperature": p.temperature,
                 "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n,
                 "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
-                "frequency_penalty": p.frequency_penalty, "logit_bias": [[t, b if b != float("-inf") else False] for t, b in p.logit_bias],
+                "frequency_penalty": p.frequency_penalty, "logit_bias": logit_bias_json(p, info["engine"].tokenizer.stop_ids),
                 "stop": list(p.stop), "ignore_eos": p.ignore_eos, "n_probs": 0,
                 "samplers": ["logit_bias", "penalties", "top_k", "top_p", "min_p", "temperature"],
                 "speculative.n_max": cfg.n_max if n_max is None else n_max,
