@@ -404,3 +404,16 @@ def test_id_slot_on_the_openai_endpoints(srv):
         after = {s["id"]: s["requests_served"] for s in httpx.get(srv.url + "/slots").json()}
         assert after[1] - before[1] == 2 and after[0] == before[0]  # both choices ran in slot 1
         _err(_post(srv, path, {**body, "id_slot": 2}), "id_slot")
+
+
+@pytest.mark.parametrize("extra", [{}, {"filename": "ok"}, {"filename": 123}, {"filename": 123, "text": "abc"},
+                                   {"filename": 123, "text": 456}, "not a chunk"])
+def test_infill_checks_its_input_then_refuses_a_model_without_fim_tokens(srv, extra):
+    body = {"input_prefix": "int main() {\n", "prompt": "    int n = ", "input_suffix": "}\n"}
+    bad = _post(srv, "/infill", {**body, "input_extra": [extra]})
+    assert bad.status_code == 400 and "input_extra" in bad.json()["error"]["message"]
+    assert _post(srv, "/infill", {**body, "input_extra": "x"}).status_code == 400
+    assert _post(srv, "/infill", {**body, "input_prefix": 3}).status_code == 400
+    ok = _post(srv, "/infill", {**body, "input_extra": [{"filename": "a.h", "text": "int f();"}]})
+    assert ok.status_code == 501 and ok.json()["error"]["type"] == "not_supported_error"
+    assert "Infill is not supported by this model" in ok.json()["error"]["message"]

@@ -467,6 +467,30 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 return r
         return [{**r, "index": i} for i, r in enumerate(got)]
 
+    @app.post("/infill")
+    async def infill(request: Request):
+        """llama-server's fill-in-the-middle endpoint. The request is checked as llama-server checks it
+        (``input_prefix`` / ``input_suffix`` / ``prompt`` strings, ``input_extra`` a list of
+        ``{"filename": string, "text": string}``: 400 otherwise); then, as llama-server does for a
+        model whose vocabulary has no FIM prefix / suffix / middle tokens, a 501: Gemma 3 and Gemma 4
+        have none (their vocabulary spells ``<|fim_prefix|>`` as six ordinary tokens)."""
+        guard(request)
+        body = await json_body(request)
+        for field in ("input_prefix", "input_suffix", "prompt"):
+            if field in body and not isinstance(body[field], str):
+                raise APIError(400, f"'{field}' must be a string")
+        extra = body.get("input_extra", [])
+        if not isinstance(extra, list):
+            raise APIError(400, "'input_extra' must be an array of {\"filename\": string, \"text\": string}")
+        for chunk in extra:
+            if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
+                raise APIError(400, "each 'input_extra' chunk must have a 'text' field with a string value")
+            if "filename" in chunk and not isinstance(chunk["filename"], str):
+                raise APIError(400, "an 'input_extra' chunk's 'filename' must be a string")
+        raise APIError(501, "Infill is not supported by this model: prefix token is missing. suffix token is missing. "
+                            "middle token is missing. (Gemma's vocabulary has no fill-in-the-middle tokens; "
+                            "use /completion with the text before the gap)")
+
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat(request: Request):
