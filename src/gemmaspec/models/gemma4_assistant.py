@@ -31,8 +31,8 @@ import torch
 
 from .config import Gemma4AssistantConfig
 from ..kernels import BlockWeight
-from .base import apply_rope, attention, linear, rms_norm
-from .gemma4 import gated_mlp, rope_tables
+from .base import add_rms_norm, attention, gelu_mul, linear, norm_rope, rms_norm
+from .gemma4 import rope_tables
 
 
 class Gemma4Assistant:
@@ -124,7 +124,12 @@ class Gemma4Assistant:
         out[ids] = scores
         return out
 
-    def step(self, x_embed: torch.Tensor, h: torch.Tensor, position: int, kv: dict):
+    def rope_at(self, position: int) -> dict:
+        """Per layer type (cos, sin) float32 [1, head dim] at ``position`` (every step of a round uses
+        the same position, so a round computes them once)."""
+        return rope_tables(self.config, torch.tensor([position], device=self.device))
+
+    def step(self, x_embed: torch.Tensor, h: torch.Tensor, position: int, kv: dict, rope: dict | None = None):
         """One draft step.
 
         Args:
@@ -133,30 +138,65 @@ class Gemma4Assistant:
                 step's projected state.
             position: p, the last token's position.
             kv: per layer type ("sliding"/"full"): (keys [L, Hkv, D], values, mask bool [1, L] or None).
+            rope: :meth:`rope_at` (position) when the caller has it already.
 
         Returns:
             (logits float32 [V], next h float32 [Hb]).
         """
+        hidden, next_h = self.step_hidden(x_embed, h, position, kv, rope)
+        return self.logits(hidden), next_h
+
+    def step_hidden(self, x_embed: torch.Tensor, h: torch.Tensor, position: int, kv: dict,
+                    rope: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`step` up to the head: ``(hidden float32 [H], next h float32 [Hb])``, ``hidden`` being
+        the final-norm state the head scores. On the CPU with the C kernel and block-quantized matrices
+        the whole step is one call of ``gs_assistant_step`` (:mod:`.assistant_step`; the same C
+        functions in the same order as the ops below, so the same bits)."""
+        return self._step(x_embed, h, position, kv, rope, False)[:2]
+
+    def draft_step(self, x_embed: torch.Tensor, h: torch.Tensor, position: int, kv: dict,
+                   rope: dict | None = None) -> tuple[int, torch.Tensor]:
+        """``(greedy draft token, next h float32 [Hb])`` of one step: :meth:`draft_token` of
+        :meth:`step_hidden`'s hidden state; with a reduced head in the C step, scored in the same call."""
+        hidden, next_h, tok = self._step(x_embed, h, position, kv, rope, True)
+        return (self.draft_token(hidden) if tok is None else tok), next_h
+
+    def _step(self, x_embed, h, position, kv, rope, token: bool):
+        rope = self.rope_at(position) if rope is None else rope
+        if self.device.type == "cpu":
+            from .assistant_step import run_step
+
+            got = run_step(self, x_embed, h, kv, rope, token)
+            if got is not None:
+                return got
         c, w, eps = self.config, self.weights, self.config.rms_norm_eps
         x = linear(w["nextn.pre_projection.weight"], torch.cat([x_embed, h])[None])  # [1, H]
-        pos = torch.tensor([position], device=x.device)
-        rope = rope_tables(c, pos)
         for i in range(c.num_layers):
             p, kind = f"blk.{i}.", c.layer_types[i]
             d = c.layer_head_dim(i)
             cos, sin = rope[kind]
             hn = rms_norm(x, w[p + "attn_norm.weight"], eps)
-            q = linear(w[p + "attn_q.weight"], hn).view(1, c.num_heads, d)
-            q = apply_rope(rms_norm(q, w[p + "attn_q_norm.weight"], eps), cos, sin)
+            q = linear(w[p + "attn_q.weight"], hn)  # [1, heads * d]
+            q = norm_rope(q, c.num_heads, 0, d, w[p + "attn_q_norm.weight"], w[p + "attn_q_norm.weight"], cos, sin, eps)
             keys, values, mask = kv[kind]
             a = attention(q, keys, values, mask, 1.0)
             a = linear(w[p + "attn_output.weight"], a.reshape(1, c.num_heads * d))
-            x = x + rms_norm(a, w[p + "post_attention_norm.weight"], eps)
+            x = add_rms_norm(x, a, w[p + "post_attention_norm.weight"], eps)
             hn = rms_norm(x, w[p + "ffn_norm.weight"], eps)
-            f = gated_mlp(w, p, hn)
-            x = x + rms_norm(f, w[p + "post_ffw_norm.weight"], eps)
+            gu = torch.cat([linear(w[p + "ffn_gate.weight"], hn), linear(w[p + "ffn_up.weight"], hn)], dim=-1)
+            f = linear(w[p + "ffn_down.weight"], gelu_mul(gu))
+            x = add_rms_norm(x, f, w[p + "post_ffw_norm.weight"], eps)
             scalar = w.get(p + "layer_output_scale.weight")
             if scalar is not None:
                 x = x * scalar
         hidden = rms_norm(x, w["output_norm.weight"], eps)[0]
-        return self.logits(hidden), linear(w["nextn.post_projection.weight"], hidden[None])[0]
+        return hidden, linear(w["nextn.post_projection.weight"], hidden[None])[0], None
+
+    def draft_token(self, hidden: torch.Tensor) -> int:
+        """The greedy draft for ``hidden`` float32 [H]: ``int(self.logits(hidden).argmax())`` (the lowest
+        target id among equal best scores), without building the target-vocabulary logits when the head
+        is reduced (it scores only the draft vocabulary's rows)."""
+        if self.token_map is not None:
+            scores = linear(self.head, hidden[None])[0]
+            return int(self.token_map[scores == scores.max()].min())
+        return int(self.logits(hidden).argmax())

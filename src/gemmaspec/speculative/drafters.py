@@ -250,9 +250,9 @@ class MTPDrafter:
         tok, h = ctx.tokens[-1], ctx.hidden
         drafts = []
         with torch.inference_mode(), ops_on_one_thread():
+            rope = self.assistant.rope_at(p)  # every step of the round is at position p
             for _ in range(n_max):
-                logits, h = self.assistant.step(self.target.embed_row(tok), h, p, kv)
-                tok = int(logits.argmax())
+                tok, h = self.assistant.draft_step(self.target.embed_row(tok), h, p, kv, rope)
                 drafts.append(tok)
         return Draft(drafts)
 

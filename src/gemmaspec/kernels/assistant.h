@@ -1,0 +1,83 @@
+/*
+ * One draft step of a Gemma 4 assistant (MTP drafter) in one call (included at the end of qmatmul.c,
+ * after layers.h, whose gs_prod it uses). The step reads the target's cached keys and values and keeps
+ * no cache of its own; every operation is the C function the per-op path of
+ * gemmaspec.models.gemma4_assistant calls, in the same order, so the bits are the same: the pre-
+ * projection, then per layer RMSNorm, query product, per-head norm + RoPE, attention over the
+ * target's K/V, output product, post-norm + residual, MLP norm, gate and up products, gelu * up, down
+ * product, post-norm + residual and the layer's output scale; then the final norm and the post-
+ * projection. Only the ~40 Python and PyTorch dispatches per layer are gone.
+ */
+
+typedef struct {
+    const float *attn_norm, *q_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm; /* float32 [D] or [hd] */
+    float out_scale;             /* the layer's output scalar (1 when it has none: x * 1 is x) */
+    gs_prod q, o, gate, up, down;
+    int hd;                      /* head dim of this layer's queries and of the keys it reads */
+    const float *k, *v;          /* the target's cache of the layer it reads: [rows, hkv, hd] */
+    int L;                       /* keys read: rows 0 .. L-1 */
+    const uint8_t *mask;         /* [L] (nonzero = may attend) or NULL */
+    const float *cos, *sin;      /* [hd]: RoPE at the draft position */
+} gs_alayer;
+
+static inline void prod1(const gs_prod *p, int K, const float *x, float *y, int nthreads, int act_q8) {
+    qmatmul_multi(p->nseg, p->fmts, p->ws, p->ss, p->os, p->Gs, p->Ns, K, x, NULL, 1, y, nthreads, act_q8);
+}
+
+/* in [2 * Hb]: the target's scaled embedding of the token, then the hidden state the step reads.
+ * D: the assistant's width, hq / hkv: its query heads / the target's KV heads, F: MLP width. Writes
+ * hidden [D] (the final-norm state the head scores) and next_h [Hb] (the post-projection the next
+ * step reads). head (or NULL): a reduced head of n_head rows whose target ids are token_map [n_head];
+ * then *best = the greedy draft: the lowest target id among the rows of the highest score (what
+ * argmax over the target-vocabulary logits gives). Returns 0, or -1 when scratch memory could not be
+ * had or attention refused its shape (the caller runs the per-op path). */
+int gs_assistant_step(int nl, const gs_alayer *layers, const gs_prod *pre, const gs_prod *post, const float *out_norm,
+                      const float *in, int Hb, int D, int hq, int hkv, int F, float eps, float *hidden, float *next_h,
+                      const gs_prod *head, int n_head, const int64_t *token_map, int64_t *best, int nthreads,
+                      int act_q8) {
+    int maxhd = 0;
+    for (int l = 0; l < nl; l++) maxhd = layers[l].hd > maxhd ? layers[l].hd : maxhd;
+    const size_t qn = (size_t)hq * maxhd;
+    float *buf = (float *)malloc(sizeof(float) * (4 * (size_t)D + 3 * qn + 4 * (size_t)F));
+    if (!buf) return -1;
+    float *x = buf, *h = x + D, *a = h + D, *f = a + D, *qv = f + D, *qr = qv + qn, *att = qr + qn;
+    float *gu = att + qn, *g = gu + 2L * F;
+    prod1(pre, 2 * Hb, in, x, nthreads, act_q8);
+    for (int l = 0; l < nl; l++) {
+        const gs_alayer *ly = &layers[l];
+        const int d = ly->hd;
+        gs_rms_norm(x, ly->attn_norm, 1, D, eps, h);
+        prod1(&ly->q, D, h, qv, nthreads, act_q8);
+        gs_norm_rope(qv, (long)hq * d, 1, hq, d, ly->q_norm, hq, ly->q_norm, ly->cos, ly->sin, eps, qr);
+        if (gs_attention(qr, (long)hq * d, 1, hq, hkv, d, ly->k, ly->v, ly->L, ly->mask, 1.f, 0.f, att) != 0) {
+            free(buf);
+            return -1;
+        }
+        prod1(&ly->o, hq * d, att, a, nthreads, act_q8);
+        gs_add_rms_norm(a, ly->post_attn_norm, 1, D, eps, x, x);
+        gs_rms_norm(x, ly->ffn_norm, 1, D, eps, h);
+        prod1(&ly->gate, D, h, gu, nthreads, act_q8);
+        prod1(&ly->up, D, h, gu + F, nthreads, act_q8);
+        gs_gelu_mul(gu, 2L * F, 1, F, g);
+        prod1(&ly->down, F, g, f, nthreads, act_q8);
+        gs_add_rms_norm(f, ly->post_ffn_norm, 1, D, eps, x, x);
+        for (int i = 0; i < D; i++) x[i] = x[i] * ly->out_scale;
+    }
+    gs_rms_norm(x, out_norm, 1, D, eps, hidden);
+    prod1(post, D, hidden, next_h, nthreads, act_q8);
+    free(buf);
+    if (head) {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)n_head);
+        if (!scores) return -1;
+        prod1(head, D, hidden, scores, nthreads, act_q8);
+        float mx = scores[0];
+        int64_t tok = token_map[0];
+        for (int i = 1; i < n_head; i++) {
+            if (scores[i] > mx) mx = scores[i], tok = token_map[i];
+            else if (scores[i] == mx && token_map[i] < tok) tok = token_map[i];
+        }
+        *best = tok;
+        free(scores);
+    }
+    return 0;
+}
