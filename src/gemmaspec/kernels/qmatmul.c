@@ -207,6 +207,10 @@ static inline int fmt_per_super(const int fmt) { return fmt == FMT_Q4_K ? 8 : fm
  * gain for Q4_K is small and every unrolled format costs compile time). */
 static inline int fmt_unrolled(const int fmt) { return fmt == FMT_Q6_K ? 16 : fmt == FMT_Q4_K ? 8 : 1; }
 
+#ifndef GS_Q5_PERM
+#define GS_Q5_PERM 1 /* AVX-512 Q5_0 levels by table lookup (tile_dot); 0 = the cvt16 path, for A/B */
+#endif
+
 #ifndef GS_ONE_ROW_FMTS
 #define GS_ONE_ROW_FMTS ((1 << FMT_Q8_0) | (1 << FMT_Q5_0))
 #endif
@@ -475,6 +479,10 @@ static inline __attribute__((always_inline)) void tile_dot(const int fmt, const 
         for (int m = 0; m < MB; m++) acc[r][m] = _mm512_setzero_ps();
     const int nb = K / G;
     const __m512 q4_levels = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+#if GS_Q5_PERM
+    const __m512 q5_lo = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+    const __m512 q5_hi = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
     if (G == 32) {
         FOR_BLOCKS(fmt, nb, b) {
             const int k = b * 32;
@@ -499,6 +507,22 @@ static inline __attribute__((always_inline)) void tile_dot(const int fmt, const 
                     w0 = _mm512_permutexvar_ps(q, q4_levels);
                     w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), q4_levels);
                     sc = _mm512_set1_ps(f16_to_f32(blk));
+#if GS_Q5_PERM
+                } else if (fmt == FMT_Q5_0) {
+                    /* the same idea for 5-bit levels: the nibble with the fifth bit or-ed in (a masked
+                     * or from the 32 stored bits) indexes a 32-entry table of float(level - 16) held in
+                     * two registers (vpermt2ps reads 5 index bits): the values cvt16 gives, in 7 integer
+                     * uops per block instead of 11 */
+                    const uint8_t *blk = (const uint8_t *)wr[r] + (long)b * Q5_0_BYTES;
+                    uint32_t qh;
+                    memcpy(&qh, blk + 2, 4); /* little-endian, as x86 reads it */
+                    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 6)));
+                    const __m512i sixteen = _mm512_set1_epi32(16);
+                    const __m512i l = _mm512_and_si512(q, _mm512_set1_epi32(15)), h = _mm512_srli_epi32(q, 4);
+                    w0 = _mm512_permutex2var_ps(q5_lo, _mm512_mask_or_epi32(l, (__mmask16)(qh & 0xFFFF), l, sixteen), q5_hi);
+                    w1 = _mm512_permutex2var_ps(q5_lo, _mm512_mask_or_epi32(h, (__mmask16)(qh >> 16), h, sixteen), q5_hi);
+                    sc = _mm512_set1_ps(f16_to_f32(blk));
+#endif
                 } else {
                     __m128i lo, hi;
                     float s;
