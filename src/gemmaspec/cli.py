@@ -120,7 +120,8 @@ def _add_sampling(p: argparse.ArgumentParser, n_default: int, n_help: str) -> No
     p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back over (default 64)")
     p.add_argument("-s", "--seed", type=int, default=-1, help="random seed, -1 = random (default -1)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="never end at EOS / end of turn: they are banned (a -inf logit bias), as llama.cpp does")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="never end at EOS / end of turn: they are banned (a -inf logit bias), as llama.cpp does")
 
 
 def _version() -> str:
