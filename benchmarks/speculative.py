@@ -116,13 +116,14 @@ def main():
 
 
 def mtp_step_cost(engine, drafter, params) -> dict:
-    """Median wall time of one assistant draft step (``assistant.step``) during a greedy run, against
+    """Median wall time of one assistant draft step (``assistant.draft_step``: the step and the greedy
+    pick, as ``MTPDrafter`` runs it) during a greedy run, against
     the median target decode step of a plain run on the same prompt; the assistant's weight bytes."""
     import time
 
     asst = drafter.assistant
     times = []
-    orig = asst.step
+    orig = asst.draft_step
 
     def timed(*args, **kw):
         t = time.perf_counter()
@@ -131,13 +132,13 @@ def mtp_step_cost(engine, drafter, params) -> dict:
         return r
 
     ids = engine.tokenizer.encode(PROMPTS["prose"][0])
-    asst.step = timed
+    asst.draft_step = timed
     try:
         st = RequestStats()
         for _ev in engine.generate(ids, params, drafter, 3, st):
             pass
     finally:
-        del asst.step
+        del asst.draft_step
     plain = RequestStats()
     for _ev in engine.generate(ids, params, None, 0, plain):
         pass
