@@ -28,7 +28,7 @@ import torch
 from ..errors import InputError
 from ..models.config import Gemma4AssistantConfig
 from ..models.gemma4_assistant_train import TrainableAssistant, assistant_config
-from .convert import _add_text_params, _rope_freqs
+from .convert import ARCH_ASSISTANT, _add_text_params, _rope_freqs
 from .gguf_out import StreamingGGUF, encode_rows
 
 T = gguf.GGMLQuantizationType
@@ -97,3 +97,35 @@ def export_gguf(config: Gemma4AssistantConfig, weights: dict[str, torch.Tensor],
 
         size = s.finish(meta)
     return {"bytes": size, "types": types}
+
+
+def trainable_state_from_gguf(path: str | Path) -> dict:
+    """A reduced-head assistant GGUF (as :func:`export_gguf` writes) as a trainable assistant's start
+    (``train-drafter --init``): ``{"model": state dict of float32 tensors, "token_map": int64 [N],
+    "settings": {"width", "layers", "heads", "ffn"}}`` (Q4_0 / Q8_0 / F16 matrices dequantized).
+
+    Raises:
+        ValueError: not a ``gemma4-assistant`` GGUF with a reduced head (``draft_token_map``).
+    """
+    path = Path(path)
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
+    tensors = {}
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims fastest first
+        arr = gguf.quants.dequantize(t.data, t.tensor_type) if t.tensor_type not in (
+            gguf.GGMLQuantizationType.I32,) else np.asarray(t.data)
+        tensors[t.name] = torch.from_numpy(np.array(arr).reshape(shape))
+    if arch != ARCH_ASSISTANT or "draft_token_map" not in tensors:
+        raise ValueError(f"{path}: --init needs an assistant GGUF with a reduced head (draft_token_map), as "
+                         f"train-drafter writes; this file is {arch!r}"
+                         + ("" if arch != ARCH_ASSISTANT else " with a full or clustered head"))
+    layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))
+    head_dim = tensors["blk.0.attn_q_norm.weight"].shape[0]
+    settings = {"width": tensors["output_norm.weight"].shape[0], "layers": layers,
+                "heads": tensors["blk.0.attn_q.weight"].shape[0] // head_dim,
+                "ffn": tensors["blk.0.ffn_gate.weight"].shape[0]}
+    state = {"params." + n.replace(".", "__"): v.float() for n, v in tensors.items()
+             if n not in ("draft_token_map", "rope_freqs.weight")}
+    return {"model": state, "token_map": tensors["draft_token_map"].long(), "settings": settings}

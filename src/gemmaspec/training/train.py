@@ -180,30 +180,9 @@ def load_init(path: Path) -> dict:
         start = torch.load(path, weights_only=False)
         return {"model": start["model"], "token_map": start["token_map"],
                 "settings": {f: start["settings"][f] for f in ("width", "layers", "heads", "ffn")}}
-    import gguf
-    import numpy as np
+    from ..loading.assistant_gguf import trainable_state_from_gguf
 
-    reader = gguf.GGUFReader(str(path))
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
-    tensors = {}
-    for t in reader.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists dims fastest first
-        arr = gguf.quants.dequantize(t.data, t.tensor_type) if t.tensor_type not in (
-            gguf.GGMLQuantizationType.I32,) else np.asarray(t.data)
-        tensors[t.name] = torch.from_numpy(np.array(arr).reshape(shape))
-    if arch != "gemma4-assistant" or "draft_token_map" not in tensors:
-        raise ValueError(f"{path}: --init needs an assistant GGUF with a reduced head (draft_token_map), as "
-                         f"train-drafter writes; this file is {arch!r}"
-                         + ("" if arch != "gemma4-assistant" else " with a full or clustered head"))
-    layers = 1 + max(int(n.split(".")[1]) for n in tensors if n.startswith("blk."))
-    head_dim = tensors["blk.0.attn_q_norm.weight"].shape[0]
-    settings = {"width": tensors["output_norm.weight"].shape[0], "layers": layers,
-                "heads": tensors["blk.0.attn_q.weight"].shape[0] // head_dim,
-                "ffn": tensors["blk.0.ffn_gate.weight"].shape[0]}
-    state = {"params." + n.replace(".", "__"): v.float() for n, v in tensors.items()
-             if n not in ("draft_token_map", "rope_freqs.weight")}
-    return {"model": state, "token_map": tensors["draft_token_map"].long(), "settings": settings}
+    return trainable_state_from_gguf(path)
 
 
 def save_checkpoint(path: Path, model, opt, settings: TrainSettings, step: int, history: list) -> None:
