@@ -2,6 +2,7 @@
 the portable path is the reference, and each SIMD path this CPU can run is built and compared with it
 (``GEMMASPEC_ISA`` chooses the path at run time)."""
 
+import ctypes
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gemmaspec import kernels
+from test_stored_weights import bits, random_blocks
 
 SIMD = [isa for isa in ("avx512", "avx2") if kernels.cpu_supports(isa)]
 
@@ -104,3 +106,57 @@ def test_prefill_dequantizes_a_tile_at_a_time(monkeypatch):
     monkeypatch.undo()
     assert widest == [300]
     torch.testing.assert_close(got, x @ w.dequantize().T, rtol=1e-6, atol=1e-6)
+
+
+def _stored_product(lib, fmt, w, n, k, x, threads):
+    P, I1 = ctypes.c_void_p * 1, ctypes.c_int * 1
+    y = np.empty((x.shape[0], n), np.float32)
+    lib.gs_qmatmul_multi(1, I1(fmt), P(w.data_ptr()), P(None), P(None), I1(32), I1(n), k, x.ctypes.data, None,
+                         x.shape[0], y.ctypes.data, threads)
+    return y
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(qtype=st.sampled_from(["Q4_0", "Q8_0"]), groups=st.integers(1, 12), blocks=st.integers(1, 9),
+       m=st.integers(1, 16), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_regrouped_8_rows_give_the_stored_bits(libs, qtype, groups, blocks, m, threads, seed):
+    """The fp32 products' layout of Q4_0 / Q8_0 (r8.h: 8 rows' blocks side by side) gives the stored
+    layout's bits on every path (the SIMD ones read it in place, the portable one rebuilds rows), for any
+    number of rows of x; dequantization and row lookups read it back exactly."""
+    ref, built = libs
+    rng = np.random.default_rng(seed)
+    n, k = 8 * groups, 32 * blocks
+    raw = torch.from_numpy(random_blocks(rng, qtype, n, k))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    fmt, rfmt = kernels._FMT[qtype], kernels._R8[qtype]
+    want = _stored_product(ref, fmt, raw, n, k, x, threads)
+    r8 = torch.empty_like(raw)
+    assert ref.gs_repack_r8(fmt, raw.data_ptr(), n, k, r8.data_ptr(), threads) == 0
+    assert not torch.equal(r8, raw)  # the bytes moved
+    for isa, lib in {"portable": ref, **built}.items():
+        assert np.array_equal(bits(_stored_product(lib, rfmt, r8, n, k, x, threads)), bits(want)), isa
+        assert np.array_equal(bits(_stored_product(lib, fmt, raw, n, k, x, threads)), bits(want)), isa
+    out = torch.empty(n, k)
+    ref.gs_dequant_rows(rfmt, r8.data_ptr(), None, None, 32, 0, n, k, out.data_ptr(), 1)
+    assert torch.equal(out, kernels.StoredWeight(raw, qtype, k).dequantize())
+
+
+def test_stored_weights_regroup_on_the_simd_paths():
+    """A StoredWeight regroups (Q4_0 / Q8_0, rows a multiple of 8) at its first fp32 product on an
+    AVX-512 or AVX2 kernel, and gives the same bits as before; other row counts and types stay stored."""
+    lib = kernels.load_library()
+    if lib is None or lib.gs_isa().decode() not in kernels._R8_ISAS:
+        pytest.skip("no AVX-512 / AVX2 kernel here")
+    rng = np.random.default_rng(5)
+    for qtype in ("Q4_0", "Q8_0"):
+        raw = torch.from_numpy(random_blocks(rng, qtype, 64, 256))
+        w = kernels.StoredWeight(raw.clone(), qtype, 256)
+        x = torch.randn(3, 256)
+        want = _stored_product(lib, kernels._FMT[qtype], raw, 64, 256, x.numpy(), 1)
+        got = w(x)
+        assert w.kernel_args(lib, False)[2][0][0] == kernels._R8[qtype]
+        assert np.array_equal(bits(got.numpy()), bits(want))
+        ids = torch.tensor([0, 7, 8, 63, 33])
+        assert torch.equal(w.rows(ids), kernels.StoredWeight(raw, qtype, 256).rows(ids))
+        odd = kernels.StoredWeight(torch.from_numpy(random_blocks(rng, qtype, 13, 64)), qtype, 64)
+        assert odd._segments_f32(lib)[0][0] == kernels._FMT[qtype]

@@ -215,7 +215,7 @@ def test_repacked_8_rows_at_a_time(qtype):
     got, stored = q8_product(lib, w, x), q8_product(lib, plain, x, stored=True)
     assert not np.array_equal(bits(got), bits(stored))  # another order of the same integers
     np.testing.assert_allclose(got, stored, rtol=1e-5, atol=1e-4 * np.abs(stored).max())
-    # the fp32 products still read the stored layout, bit for bit; the repacked one gives the same bits
+    # the fp32 products (their own layout, r8.h, on AVX-512 / AVX2) give the stored bits; so does the x8 one
     fp = q8_product(lib, w, x, q8=False)
     assert np.array_equal(bits(fp), bits(q8_product(lib, plain, x, q8=False)))
     y = np.empty((3, 72), np.float32)

@@ -252,6 +252,8 @@ def matmul_library(isa: str = "auto"):
     lib.gs_assistant_step.restype = I
     lib.gs_repack_x8.argtypes = [I, P, ctypes.c_long, I, P, I]
     lib.gs_repack_x8.restype = I
+    lib.gs_repack_r8.argtypes = [I, P, ctypes.c_long, I, P, I]
+    lib.gs_repack_r8.restype = I
     lib.gs_isa.argtypes = []
     lib.gs_isa.restype = ctypes.c_char_p
     return lib
@@ -275,6 +277,10 @@ _FMT = {"Q4_0": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
 # Q4_0 and Q8_0 repacked 8 rows at a time for the int8-activation products (x8.h)
 FMT_Q4_0X8, FMT_Q8_0X8 = 6, 7
 _X8 = {"Q4_0": FMT_Q4_0X8, "Q8_0": FMT_Q8_0X8}
+# ... and regrouped 8 rows at a time for the fp32-activation products (r8.h)
+FMT_Q4_0R8, FMT_Q8_0R8 = 8, 9
+_R8 = {"Q4_0": FMT_Q4_0R8, "Q8_0": FMT_Q8_0R8}
+_R8_ISAS = ("avx512", "avx2")  # kernel paths that read the regrouped layout in place
 _REPACK_ROWS = 8192  # rows repacked before the stored ones are released (a multiple of 8)
 _HAS_OFFSETS = ("Q4_K",)
 
@@ -314,6 +320,10 @@ class CPUBlockWeight(BlockWeight):
 
     def _segments_q8(self, lib) -> list[tuple]:
         """The segments the int8-activation products read (a layout built for them, or the stored one)."""
+        return self._segments()
+
+    def _segments_f32(self, lib) -> list[tuple]:
+        """The segments the fp32-activation products read (a layout built for them, or the stored one)."""
         return self._segments()
 
     def _read_segments(self) -> list[tuple]:
@@ -384,7 +394,7 @@ class CPUBlockWeight(BlockWeight):
         key = "_kernel_args_q8" if q8 else "_kernel_args"
         cached = self.__dict__.get(key)
         if cached is None:  # built once: the weight's tensors (and so their addresses) never change
-            segs = self._segments_q8(lib) if q8 else self._segments()
+            segs = self._segments_q8(lib) if q8 else self._segments_f32(lib)
             ns = len(segs)
             arr = lambda ctype, vals: (ctype * ns)(*vals)  # noqa: E731
             P = ctypes.c_void_p
@@ -575,9 +585,34 @@ class StoredWeight(CPUBlockWeight):
             self._x8 = x8
         return [(_X8[self.qtype], self._x8, None, None, 32, n)]
 
+    def _segments_f32(self, lib) -> list[tuple]:
+        """Q4_0 and Q8_0 with a multiple of 8 rows, on a kernel path of :data:`_R8_ISAS`: the rows
+        regrouped 8 at a time (``r8.h``: each row's level bytes as stored, the 8 rows' scales of a block
+        side by side, one stream per 8 rows; the stored format's operations, so its bits), built on the
+        first fp32-activation product, the same size as the stored bytes, which are then released from
+        memory as for :meth:`_segments_q8`; otherwise as stored. (A process that uses both activation
+        modes on one weight keeps both layouts.)"""
+        n = self.raw.shape[0]
+        if self.qtype not in _R8 or n % 8 or lib.gs_isa().decode() not in _R8_ISAS:
+            return self._segments()
+        if self.__dict__.get("_r8") is None:
+            r8 = torch.empty_like(self.raw)
+            for r0 in range(0, n, _REPACK_ROWS):
+                r1 = min(n, r0 + _REPACK_ROWS)
+                if lib.gs_repack_r8(_FMT[self.qtype], self.raw[r0].data_ptr(), r1 - r0, self.k, r8[r0].data_ptr(),
+                                    threads()):
+                    return self._segments()
+                _release(self.raw[r0:r1])
+            self._r8 = r8
+        return [(_R8[self.qtype], self._r8, None, None, 32, n)]
+
     def _read_segments(self) -> list[tuple]:
-        x8 = self.__dict__.get("_x8")
-        return self._segments() if x8 is None else [(_X8[self.qtype], x8, None, None, 32, self.raw.shape[0])]
+        n = self.raw.shape[0]
+        for attr, fmts in (("_r8", _R8), ("_x8", _X8)):
+            t = self.__dict__.get(attr)
+            if t is not None:
+                return [(fmts[self.qtype], t, None, None, 32, n)]
+        return self._segments()
 
     def _fallback(self) -> QuantizedWeight:
         if self._int8 is None:
@@ -645,6 +680,9 @@ class StackedWeight(CPUBlockWeight):
 
     def _segments_q8(self, lib) -> list[tuple]:
         return [s for p in self.parts for s in p._segments_q8(lib)]
+
+    def _segments_f32(self, lib) -> list[tuple]:
+        return [s for p in self.parts for s in p._segments_f32(lib)]
 
     def _read_segments(self) -> list[tuple]:
         return [s for p in self.parts for s in p._read_segments()]

@@ -31,8 +31,8 @@
 #define Q8_ROWS 4 /* rows of x per pass (accumulators in registers) */
 
 /* Whether segment format fmt (with int8 group G) has an int8-activation path: every stored format and
- * FMT_I8 with 32-value groups. */
-static inline int q8_supported(const int fmt, int G) { return fmt != FMT_I8 || G == 32; }
+ * FMT_I8 with 32-value groups (not the fp32 layout of r8.h). */
+static inline int q8_supported(const int fmt, int G) { return !fmt_r8(fmt) && (fmt != FMT_I8 || G == 32); }
 
 /* The integer lane sums of block b: p[l] = sum_{j=4l}^{4l+3} q[j] * a[j]; the block's per-lane scales
  * into sc[0] (values 0..15) and sc[1] (16..31). Portable C: the reference. */

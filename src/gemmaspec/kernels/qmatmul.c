@@ -96,6 +96,14 @@ const char *gs_isa(void) {
 #define Q5_0_BYTES 22
 #define Q4_K_BYTES 144
 #define Q6_K_BYTES 210
+/* Q4_0 and Q8_0 rows regrouped 8 at a time for the fp32-activation products (r8.h): group g, block b
+ * at byte (g * nb + b) * 8 * (block bytes): the 8 rows' fp16 scales, then each row's level bytes in
+ * turn (16 for Q4_0, 32 for Q8_0), so the same size as stored. (FMT 6 and 7: x8.h.) */
+#define FMT_Q4_0R8 8
+#define FMT_Q8_0R8 9
+#define R8_Q4_BYTES (8 * Q4_0_BYTES)
+#define R8_Q8_BYTES (8 * Q8_0_BYTES)
+static inline int fmt_r8(const int fmt) { return fmt == FMT_Q4_0R8 || fmt == FMT_Q8_0R8; }
 
 /* Values per scale (G) of a format; FMT_I8 carries its own. */
 static inline int fmt_group(const int fmt, int G) { return fmt == FMT_I8 ? G : fmt == FMT_Q6_K ? 16 : 32; }
@@ -122,6 +130,8 @@ static inline int fmt_block_bytes(const int fmt, int G) {
         case FMT_Q5_0: return Q5_0_BYTES;
         case FMT_Q4_K: return Q4_K_BYTES / 8;
         case FMT_Q6_K: return Q6_K_BYTES / 16 + 1;
+        case FMT_Q4_0R8: return R8_Q4_BYTES; /* a group's block: one stream for its 8 rows */
+        case FMT_Q8_0R8: return R8_Q8_BYTES;
         default: return G;
     }
 }
@@ -369,6 +379,10 @@ static inline __attribute__((always_inline)) void prefetch_rows(const int fmt, c
                                                                 const float *const sr[], int nr, int b, int G) {
     const int bb = fmt_block_bytes(fmt, G);
     const long pos = (long)b * bb;
+    if (fmt_r8(fmt)) { /* the rows share one stream: its next cache lines, once */
+        for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)wr[0] + pos + PF_BYTES + l, _MM_HINT_T0);
+        return;
+    }
     if (b && (pos >> 6) == ((pos - bb) >> 6)) return; /* this cache line was prefetched already */
     for (int r = 0; r < nr; r++) {
         _mm_prefetch((const char *)wr[r] + pos + PF_BYTES, _MM_HINT_T0);
@@ -407,6 +421,20 @@ static inline __attribute__((always_inline)) void levels32(const int fmt, const 
             *lo = _mm_loadu_si128((const __m128i *)(blk + 2));
             *hi = _mm_loadu_si128((const __m128i *)(blk + 18));
             *sc = f16_to_f32(blk);
+            return;
+        }
+        case FMT_Q4_0R8: { /* w: the row's level bytes in block 0 of its group; s: its scale there (r8.h) */
+            const __m128i v = _mm_loadu_si128((const __m128i *)(w + (long)b * R8_Q4_BYTES)), eight = _mm_set1_epi8(8);
+            *lo = _mm_sub_epi8(nibbles(v, 0), eight);
+            *hi = _mm_sub_epi8(nibbles(v, 4), eight);
+            *sc = f16_to_f32((const uint8_t *)s + (long)b * R8_Q4_BYTES);
+            return;
+        }
+        case FMT_Q8_0R8: {
+            const uint8_t *q = w + (long)b * R8_Q8_BYTES;
+            *lo = _mm_loadu_si128((const __m128i *)q);
+            *hi = _mm_loadu_si128((const __m128i *)(q + 16));
+            *sc = f16_to_f32((const uint8_t *)s + (long)b * R8_Q8_BYTES);
             return;
         }
         case FMT_Q5_0: {
@@ -496,17 +524,18 @@ static inline __attribute__((always_inline)) void tile_dot(const int fmt, const 
             }
             for (int r = 0; r < R; r++) {
                 __m512 w0, w1, sc;
-                if (fmt == FMT_Q4_0) {
+                if (fmt == FMT_Q4_0 || fmt == FMT_Q4_0R8) {
                     /* 16 bytes zero-extended to 16 dwords in one load; vpermps reads the low 4 bits of
                      * each dword as an index into the levels table: float(nibble - 8) straight from
                      * the stored byte, the same values cvt16 gives (7 fewer vector uops per block: head of
                      * the all-Q4_0 model 19.1 -> 14.7 ms, 1 thread). (Gathering 16 blocks' scales at once
                      * was slower: gathers are slow on this CPU.) */
-                    const uint8_t *blk = (const uint8_t *)wr[r] + (long)b * Q4_0_BYTES;
-                    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)));
+                    const int r8 = fmt == FMT_Q4_0R8; /* levels at wr[r], scale at sr[r] (see levels32) */
+                    const uint8_t *blk = (const uint8_t *)wr[r] + (long)b * (r8 ? R8_Q4_BYTES : Q4_0_BYTES);
+                    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (r8 ? 0 : 2))));
                     w0 = _mm512_permutexvar_ps(q, q4_levels);
                     w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), q4_levels);
-                    sc = _mm512_set1_ps(f16_to_f32(blk));
+                    sc = _mm512_set1_ps(f16_to_f32(r8 ? (const uint8_t *)sr[r] + (long)b * R8_Q4_BYTES : blk));
 #if GS_Q5_PERM
                 } else if (fmt == FMT_Q5_0) {
                     /* the same idea for 5-bit levels: the nibble with the fifth bit or-ed in (a masked
@@ -942,6 +971,7 @@ static inline __attribute__((always_inline)) void qmatmul_tile(const int fmt, co
 }
 
 #include "x8.h" /* Q4_0 and Q8_0 repacked 8 rows at a time (int8 activations) */
+#include "r8.h" /* Q4_0 and Q8_0 regrouped 8 rows at a time (fp32 activations) */
 
 static void run_tile(const gs_segment *sg, int K, const float *x, const float *xsum, int M, const int8_t *aq,
                      const float *da, float *y, long ldy, int t) {
@@ -949,6 +979,8 @@ static void run_tile(const gs_segment *sg, int K, const float *x, const float *x
     switch (sg->fmt) {
         case FMT_Q4_0X8: x8_tile(FMT_Q4_0X8, sg, K, x, M, aq, da, y, ldy, t); break;
         case FMT_Q8_0X8: x8_tile(FMT_Q8_0X8, sg, K, x, M, aq, da, y, ldy, t); break;
+        case FMT_Q4_0R8: r8_tile(FMT_Q4_0R8, sg, K, x, M, y, ldy, t); break;
+        case FMT_Q8_0R8: r8_tile(FMT_Q8_0R8, sg, K, x, M, y, ldy, t); break;
         case FMT_Q4_0: qmatmul_tile(FMT_Q4_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
         case FMT_Q8_0: qmatmul_tile(FMT_Q8_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
         case FMT_Q5_0: qmatmul_tile(FMT_Q5_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
@@ -1078,6 +1110,16 @@ static void dequant_row(int fmt, const void *w, const float *s, const float *o, 
         if (!row) return;
         x8_row_to_stored(fmt, (const uint8_t *)w, K, n, row);
         dequant_row(x8_stored(fmt), row, NULL, NULL, 32, K, 0, out);
+        if (row != stack) free(row);
+        return;
+    }
+    if (fmt_r8(fmt)) { /* the same, from the fp32 layout */
+        uint8_t stack[8192];
+        const size_t rb = (size_t)row_bytes(r8_stored(fmt), K);
+        uint8_t *row = rb <= sizeof stack ? stack : (uint8_t *)malloc(rb);
+        if (!row) return;
+        r8_row_to_stored(fmt, (const uint8_t *)w, K, n, row);
+        dequant_row(r8_stored(fmt), row, NULL, NULL, 32, K, 0, out);
         if (row != stack) free(row);
         return;
     }
