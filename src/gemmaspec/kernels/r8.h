@@ -33,20 +33,26 @@ typedef struct {
 
 #define R8_REPACK_GROUPS 64 /* groups of 8 rows per task */
 
-static void r8_repack_task(void *ctx, int t) {
-    const r8_repack_job *j = (const r8_repack_job *)ctx;
-    const int rf = j->fmt == FMT_Q8_0 ? FMT_Q8_0R8 : FMT_Q4_0R8, nb = j->K / 32, L = r8_level_bytes(rf);
-    const long rb = row_bytes(j->fmt, j->K), bb = rb / nb, xb = r8_block(rf);
-    const long g0 = (long)t * R8_REPACK_GROUPS, g1 = g0 + R8_REPACK_GROUPS < j->groups ? g0 + R8_REPACK_GROUPS : j->groups;
+static inline __attribute__((always_inline)) void r8_repack_groups(const int L, const r8_repack_job *j, long g0,
+                                                                   long g1) {
+    const int nb = j->K / 32;
+    const long bb = 2 + L, rb = bb * nb, xb = 8 * bb;
     for (long g = g0; g < g1; g++)
         for (int b = 0; b < nb; b++) {
             uint8_t *o = j->dst + (g * nb + b) * xb;
             for (int r = 0; r < 8; r++) {
                 const uint8_t *blk = j->src + (g * 8 + r) * rb + (long)b * bb;
                 memcpy(o + 2 * r, blk, 2);
-                memcpy(o + 16 + (long)L * r, blk + 2, (size_t)L);
+                memcpy(o + 16 + L * r, blk + 2, L); /* L a constant: inlined moves */
             }
         }
+}
+
+static void r8_repack_task(void *ctx, int t) {
+    const r8_repack_job *j = (const r8_repack_job *)ctx;
+    const long g0 = (long)t * R8_REPACK_GROUPS, g1 = g0 + R8_REPACK_GROUPS < j->groups ? g0 + R8_REPACK_GROUPS : j->groups;
+    if (j->fmt == FMT_Q8_0) r8_repack_groups(32, j, g0, g1);
+    else r8_repack_groups(16, j, g0, g1);
 }
 
 /* Rows [N, nb * block bytes] of a stored format (FMT_Q4_0 or FMT_Q8_0; N a multiple of 8) into its
