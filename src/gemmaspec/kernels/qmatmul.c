@@ -1103,23 +1103,15 @@ void gs_qmatmul_stored(int fmt, const uint8_t *blocks, int N, int K, const float
 /* Row n of W (format fmt; s, o, G for FMT_I8) as fp32: scale * (float)q + offset, the same values for
  * every format holding the same weights. */
 static void dequant_row(int fmt, const void *w, const float *s, const float *o, int G, int K, long n, float *out) {
-    if (fmt == FMT_Q4_0X8 || fmt == FMT_Q8_0X8) { /* rebuilt as a stored row first */
+    if (fmt == FMT_Q4_0X8 || fmt == FMT_Q8_0X8 || fmt_r8(fmt)) { /* a regrouped layout: rebuilt as a stored row first */
+        const int sf = fmt_r8(fmt) ? r8_stored(fmt) : x8_stored(fmt);
         uint8_t stack[8192];
-        const size_t rb = (size_t)row_bytes(x8_stored(fmt), K);
+        const size_t rb = (size_t)row_bytes(sf, K);
         uint8_t *row = rb <= sizeof stack ? stack : (uint8_t *)malloc(rb);
         if (!row) return;
-        x8_row_to_stored(fmt, (const uint8_t *)w, K, n, row);
-        dequant_row(x8_stored(fmt), row, NULL, NULL, 32, K, 0, out);
-        if (row != stack) free(row);
-        return;
-    }
-    if (fmt_r8(fmt)) { /* the same, from the fp32 layout */
-        uint8_t stack[8192];
-        const size_t rb = (size_t)row_bytes(r8_stored(fmt), K);
-        uint8_t *row = rb <= sizeof stack ? stack : (uint8_t *)malloc(rb);
-        if (!row) return;
-        r8_row_to_stored(fmt, (const uint8_t *)w, K, n, row);
-        dequant_row(r8_stored(fmt), row, NULL, NULL, 32, K, 0, out);
+        if (fmt_r8(fmt)) r8_row_to_stored(fmt, (const uint8_t *)w, K, n, row);
+        else x8_row_to_stored(fmt, (const uint8_t *)w, K, n, row);
+        dequant_row(sf, row, NULL, NULL, 32, K, 0, out);
         if (row != stack) free(row);
         return;
     }

@@ -153,15 +153,7 @@ static inline __attribute__((always_inline)) void r8_tile(const int fmt, const g
         }
     }
 #else
-    (void)L, (void)xb;
-    const int sf = r8_stored(fmt);
-    const long rb = row_bytes(sf, K);
-    uint8_t *buf = (uint8_t *)malloc((size_t)(n1 - n0) * (size_t)rb);
-    if (!buf) return;
-    for (int n = n0; n < n1; n++) r8_row_to_stored(fmt, (const uint8_t *)sg->w, K, n, buf + (long)(n - n0) * rb);
-    const gs_segment tmp = {sf, n1 - n0, 32, sg->col + n0, buf, NULL, NULL, n1 - n0};
-    if (sf == FMT_Q8_0) qmatmul_tile(FMT_Q8_0, &tmp, K, x, NULL, M, NULL, NULL, y, ldy, 0);
-    else qmatmul_tile(FMT_Q4_0, &tmp, K, x, NULL, M, NULL, NULL, y, ldy, 0);
-    free(buf);
+    (void)nb, (void)N, (void)L, (void)n0, (void)n1, (void)xb;
+    rebuilt_rows_tile(fmt, r8_stored(fmt), r8_row_to_stored, sg, K, x, M, y, ldy, t);
 #endif
 }

@@ -75,6 +75,22 @@ static void x8_row_to_stored(const int fmt, const uint8_t *w, int K, long n, uin
     }
 }
 
+/* Scheduling unit t of a regrouped segment (this file's or r8.h's layout, format fmt, stored format sf)
+ * for M rows of fp32 x, each row first rebuilt in the stored format's bytes (row_fn) into a buffer:
+ * the stored format's bits; correct, not fast. */
+static void rebuilt_rows_tile(const int fmt, const int sf, void (*row_fn)(int, const uint8_t *, int, long, uint8_t *),
+                              const gs_segment *sg, int K, const float *x, int M, float *y, long ldy, int t) {
+    const int N = sg->N, n0 = t * sg->tile, n1 = n0 + sg->tile < N ? n0 + sg->tile : N;
+    const long rb = row_bytes(sf, K);
+    uint8_t *buf = (uint8_t *)malloc((size_t)(n1 - n0) * (size_t)rb);
+    if (!buf) return;
+    for (int n = n0; n < n1; n++) row_fn(fmt, (const uint8_t *)sg->w, K, n, buf + (long)(n - n0) * rb);
+    const gs_segment tmp = {sf, n1 - n0, 32, sg->col + n0, buf, NULL, NULL, n1 - n0};
+    if (sf == FMT_Q8_0) qmatmul_tile(FMT_Q8_0, &tmp, K, x, NULL, M, NULL, NULL, y, ldy, 0);
+    else qmatmul_tile(FMT_Q4_0, &tmp, K, x, NULL, M, NULL, NULL, y, ldy, 0);
+    free(buf);
+}
+
 #ifndef X8_PF
 #define X8_PF 4096 /* prefetch distance (bytes) along a group's stream */
 #endif
@@ -204,15 +220,7 @@ static inline __attribute__((always_inline)) void x8_tile(const int fmt, const g
     const int nb = K / 32, N = sg->N;
     const int n0 = t * sg->tile, n1 = n0 + sg->tile < N ? n0 + sg->tile : N;
     if (!aq) {
-        const int sf = x8_stored(fmt);
-        const long rb = row_bytes(sf, K);
-        uint8_t *buf = (uint8_t *)malloc((size_t)(n1 - n0) * (size_t)rb);
-        if (!buf) return;
-        for (int n = n0; n < n1; n++) x8_row_to_stored(fmt, (const uint8_t *)sg->w, K, n, buf + (long)(n - n0) * rb);
-        const gs_segment tmp = {sf, n1 - n0, 32, sg->col + n0, buf, NULL, NULL, n1 - n0};
-        if (sf == FMT_Q8_0) qmatmul_tile(FMT_Q8_0, &tmp, K, x, NULL, M, NULL, NULL, y, ldy, 0);
-        else qmatmul_tile(FMT_Q4_0, &tmp, K, x, NULL, M, NULL, NULL, y, ldy, 0);
-        free(buf);
+        rebuilt_rows_tile(fmt, x8_stored(fmt), x8_row_to_stored, sg, K, x, M, y, ldy, t);
         return;
     }
     for (int m0 = 0; m0 < M; m0 += Q8_ROWS) {
