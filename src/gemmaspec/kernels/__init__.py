@@ -285,11 +285,28 @@ _REPACK_ROWS = 8192  # rows repacked before the stored ones are released (a mult
 _HAS_OFFSETS = ("Q4_K",)
 
 
+def _file_backed(a0: int, a1: int) -> bool:
+    """Whether addresses [a0, a1) lie in one mapping of a file (``/proc/self/maps``; Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(v, 16) for v in parts[0].split("-"))
+                if lo <= a0 < hi:
+                    return a1 <= hi and len(parts) == 6 and not parts[5].startswith("[")
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def _release(t: torch.Tensor) -> None:
-    """Ask the kernel to drop ``t``'s pages from this process's memory (``madvise(MADV_PAGEOUT)``, Linux
-    5.4+): for weights mapped from a GGUF file the pages are clean and are read back from the file if
-    ever touched again, so nothing is lost; elsewhere (other systems, anonymous memory without swap) it
-    does nothing. Used after a weight is repacked into a copy that replaces it."""
+    """Drop ``t``'s pages from this process's memory, Linux: for weights mapped from a GGUF file
+    (clean private pages) ``madvise(MADV_DONTNEED)`` unmaps them from this process and leaves them in
+    the page cache, so a touch reads them back unchanged and the next process starts without reading
+    the file from disk again (``MADV_PAGEOUT``, used before, also evicted them from the page cache:
+    the next start re-read ~170 MiB); for anonymous memory ``MADV_PAGEOUT`` (nothing without swap; never
+    DONTNEED, which would zero it). Elsewhere nothing. Used after a weight is repacked into a copy that
+    replaces it."""
     if not sys.platform.startswith("linux") or t.device.type != "cpu":
         return
     try:
@@ -298,7 +315,8 @@ def _release(t: torch.Tensor) -> None:
         start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
         a0, a1 = (start + page - 1) // page * page, end // page * page
         if a1 > a0:
-            libc.madvise(ctypes.c_void_p(a0), ctypes.c_size_t(a1 - a0), 21)  # MADV_PAGEOUT
+            advice = 4 if _file_backed(a0, a1) else 21  # MADV_DONTNEED / MADV_PAGEOUT
+            libc.madvise(ctypes.c_void_p(a0), ctypes.c_size_t(a1 - a0), advice)
     except (OSError, AttributeError, ValueError):
         pass
 
