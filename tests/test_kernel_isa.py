@@ -118,16 +118,25 @@ def _stored_product(lib, fmt, w, n, k, x, threads):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(qtype=st.sampled_from(["Q4_0", "Q8_0"]), groups=st.integers(1, 12), blocks=st.integers(1, 9),
-       m=st.integers(1, 16), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
-def test_regrouped_8_rows_give_the_stored_bits(libs, qtype, groups, blocks, m, threads, seed):
+       m=st.integers(1, 16), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16),
+       special=st.sampled_from(["normal", "zeros", "tiny"]))
+def test_regrouped_8_rows_give_the_stored_bits(libs, qtype, groups, blocks, m, threads, seed, special):
     """The fp32 products' layout of Q4_0 / Q8_0 (r8.h: 8 rows' blocks side by side) gives the stored
     layout's bits on every path (the SIMD ones read it in place, the portable one rebuilds rows), for any
-    number of rows of x; dequantization and row lookups read it back exactly."""
+    number of rows of x; dequantization and row lookups read it back exactly. x also holds signed zeros
+    (whole zero rows included) and subnormals, where the AVX2 one-row path's fma(n, x, -8x) for
+    (n - 8) * x could only differ in the sign of a zero."""
     ref, built = libs
     rng = np.random.default_rng(seed)
     n, k = 8 * groups, 32 * blocks
     raw = torch.from_numpy(random_blocks(rng, qtype, n, k))
     x = rng.standard_normal((m, k)).astype(np.float32)
+    if special == "zeros":
+        x[rng.random((m, k)) < 0.5] = 0.0
+        x[rng.random((m, k)) < 0.25] = -0.0
+        x[rng.integers(0, m)] = rng.choice(np.array([0.0, -0.0], np.float32), k)
+    elif special == "tiny":
+        x *= np.float32(1e-39)  # subnormal
     fmt, rfmt = kernels._FMT[qtype], kernels._R8[qtype]
     want = _stored_product(ref, fmt, raw, n, k, x, threads)
     r8 = torch.empty_like(raw)

@@ -636,6 +636,71 @@ static inline __attribute__((always_inline)) void tile_dot_wide(const int fmt, c
 #elif defined(GS_AVX2)
 static inline __m256 cvt8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
+#ifndef GS_AVX2_WF32
+#define GS_AVX2_WF32 1 /* levels read straight into 32-bit lanes (wf32_avx2); 0 = levels32 + cvt8, for A/B */
+#endif
+#define LD8(q) _mm_loadl_epi64((const __m128i *)(const void *)(q)) /* 8 bytes: folded into vpmov*xbd */
+
+/* Group-block b (G = 32 formats) of one row as fp32 levels in value order: w[i] = values 8i .. 8i + 7;
+ * its scale in *sc. The same exact small integers as levels32, but each 8 levels widened from 8 bytes
+ * in memory (vpmovzxbd / vpmovsxbd with a memory operand) instead of from int8 vectors: fewer shuffles,
+ * which on AVX2 compete with the FMAs for the same ports. Q5_0 builds its 32 signed levels in one
+ * 256-bit register first (the fifth bits spread to bytes by a shuffle and a compare; a clear bit ors
+ * 0xF0 into the nibble, which is nibble - 16 in two's complement). */
+static inline __attribute__((always_inline)) void wf32_avx2(const int fmt, const void *wv, const float *s, int b,
+                                                            __m256 w[4], float *sc, const float *ks) {
+    const uint8_t *p = (const uint8_t *)wv;
+    switch (fmt) {
+        case FMT_Q4_0:
+        case FMT_Q4_0R8: {
+            const uint8_t *q = fmt == FMT_Q4_0 ? p + (long)b * Q4_0_BYTES + 2 : p + (long)b * R8_Q4_BYTES;
+            const __m256i d0 = _mm256_cvtepu8_epi32(LD8(q)), d1 = _mm256_cvtepu8_epi32(LD8(q + 8));
+            const __m256i m = _mm256_set1_epi32(15), e = _mm256_set1_epi32(8);
+            w[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(d0, m), e));
+            w[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(d1, m), e));
+            w[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(d0, 4), e));
+            w[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(d1, 4), e));
+            *sc = fmt == FMT_Q4_0 ? f16_to_f32(p + (long)b * Q4_0_BYTES) : f16_to_f32((const uint8_t *)s + (long)b * R8_Q4_BYTES);
+            return;
+        }
+        case FMT_Q8_0:
+        case FMT_Q8_0R8:
+        case FMT_I8: {
+            const uint8_t *q = fmt == FMT_Q8_0 ? p + (long)b * Q8_0_BYTES + 2
+                               : fmt == FMT_Q8_0R8 ? p + (long)b * R8_Q8_BYTES : p + (long)b * 32;
+            for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD8(q + 8 * i)));
+            *sc = fmt == FMT_Q8_0 ? f16_to_f32(p + (long)b * Q8_0_BYTES)
+                  : fmt == FMT_Q8_0R8 ? f16_to_f32((const uint8_t *)s + (long)b * R8_Q8_BYTES) : s[b];
+            return;
+        }
+        case FMT_Q5_0: {
+            const uint8_t *blk = p + (long)b * Q5_0_BYTES;
+            int32_t qh;
+            memcpy(&qh, blk + 2, 4);
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 6));
+            const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0F));
+            const __m256i spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32(qh), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                         0x0101010101010101, 0x0000000000000000));
+            const __m256i bit = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFE)),
+                                                  _mm256_set1_epi8(-1));
+            int8_t lv[32] __attribute__((aligned(32)));
+            _mm256_store_si256((__m256i *)lv, _mm256_or_si256(nib, _mm256_andnot_si256(bit, _mm256_set1_epi8((char)0xF0))));
+            for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD8(lv + 8 * i)));
+            *sc = f16_to_f32(blk);
+            return;
+        }
+        default: { /* FMT_Q4_K: sub-block b's 32 nibbles, the low or high ones of 32 bytes */
+            const uint8_t *qs = p + (long)(b >> 3) * Q4_K_BYTES + 16 + ((b & 7) >> 1) * 32;
+            for (int i = 0; i < 4; i++) {
+                const __m256i d = _mm256_cvtepu8_epi32(LD8(qs + 8 * i));
+                w[i] = _mm256_cvtepi32_ps(b & 1 ? _mm256_srli_epi32(d, 4) : _mm256_and_si256(d, _mm256_set1_epi32(15)));
+            }
+            *sc = ks[b & 7];
+        }
+    }
+}
+
 /* R weight rows (R * M <= 4: 8 accumulator registers of the 16 AVX2 has) against M rows of x. Each
  * 16-lane accumulator of the AVX-512 path is a (lo, hi) pair of 8-lane registers here, with the same
  * operations per lane, so results are bit-identical to it. fmt, R and M are compile-time constants
@@ -655,11 +720,18 @@ static inline __attribute__((always_inline)) void tile_avx2(const int fmt, const
             if (fmt_per_super(fmt) > 1 && b % fmt_per_super(fmt) == 0)
                 for (int r = 0; r < R; r++) super_scales(fmt, (const uint8_t *)wr[r], b / fmt_per_super(fmt), ks[r]);
             for (int r = 0; r < R; r++) {
-                __m128i ql, qhi;
                 float s;
-                levels32(fmt, wr[r], sr[r], b, &ql, &qhi, &s, ks[r]);
-                const __m256 w0 = cvt8(ql), w1 = cvt8(_mm_srli_si128(ql, 8));
-                const __m256 w2 = cvt8(qhi), w3 = cvt8(_mm_srli_si128(qhi, 8)), sc = _mm256_set1_ps(s);
+                __m256 w0, w1, w2, w3;
+                if (GS_AVX2_WF32) {
+                    __m256 wv[4];
+                    wf32_avx2(fmt, wr[r], sr[r], b, wv, &s, ks[r]);
+                    w0 = wv[0], w1 = wv[1], w2 = wv[2], w3 = wv[3];
+                } else {
+                    __m128i ql, qhi;
+                    levels32(fmt, wr[r], sr[r], b, &ql, &qhi, &s, ks[r]);
+                    w0 = cvt8(ql), w1 = cvt8(_mm_srli_si128(ql, 8)), w2 = cvt8(qhi), w3 = cvt8(_mm_srli_si128(qhi, 8));
+                }
+                const __m256 sc = _mm256_set1_ps(s);
                 for (int m = 0; m < M; m++) {
                     const float *xp = x + m * ldx + k;
                     __m256 tl = _mm256_mul_ps(w0, _mm256_loadu_ps(xp));

@@ -116,6 +116,62 @@ static inline __attribute__((always_inline)) void r8_one_x(const int fmt, const 
 }
 #endif
 
+#ifdef GS_AVX2
+/* res[r] for the 8 rows of group g and one row of x on AVX2: tile_avx2's operations per row (16 lanes as
+ * two 8-lane halves), in two passes of 4 rows (8 accumulators of the 16 registers), each block's scales
+ * converted 4 at a time by one vcvtph2ps. For Q4_0, the first product of each half, (n - 8) * x, is
+ * computed as fma(n, x, -8x) with xm8 = -8x precomputed once per call: the same real number rounded
+ * once, so the same bits for finite x (a zero may change sign, which the accumulator, starting at +0,
+ * absorbs), and one subtraction fewer per 8 levels. Non-finite x, or |x| > FLT_MAX / 8, may give
+ * different results (NaN or inf either way). */
+static inline __attribute__((always_inline)) void r8_one_x_avx2(const int fmt, const uint8_t *g, int K, const float *x,
+                                                                const float *xm8, float res[8]) {
+    const int nb = K / 32, L = r8_level_bytes(fmt);
+    const long xb = r8_block(fmt);
+    for (int h = 0; h < 8; h += 4) {
+        __m256 lo[4], hi[4];
+        for (int r = 0; r < 4; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = g + (long)b * xb;
+            if (h == 0)
+                for (int l = 0; l < (int)xb; l += 64) _mm_prefetch((const char *)blk + PF_BYTES + l, _MM_HINT_T0);
+            float d[4] __attribute__((aligned(16)));
+            _mm_store_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(const void *)(blk + 2 * h)))); /* exact */
+            const float *xp = x + 32 * b;
+            _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {
+                const uint8_t *q = blk + 16 + (long)L * (h + r);
+                const __m256 sc = _mm256_broadcast_ss(d + r);
+                __m256 tl, th;
+                if (fmt == FMT_Q4_0R8) {
+                    const __m256i d0 = _mm256_cvtepu8_epi32(LD8(q)), d1 = _mm256_cvtepu8_epi32(LD8(q + 8));
+                    const __m256i m15 = _mm256_set1_epi32(15), e = _mm256_set1_epi32(8);
+                    tl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(d0, m15)), _mm256_loadu_ps(xp),
+                                         _mm256_loadu_ps(xm8 + 32 * b));
+                    th = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(d1, m15)), _mm256_loadu_ps(xp + 8),
+                                         _mm256_loadu_ps(xm8 + 32 * b + 8));
+                    tl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(d0, 4), e)),
+                                         _mm256_loadu_ps(xp + 16), tl);
+                    th = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(d1, 4), e)),
+                                         _mm256_loadu_ps(xp + 24), th);
+                } else {
+                    tl = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD8(q))), _mm256_loadu_ps(xp));
+                    th = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD8(q + 8))), _mm256_loadu_ps(xp + 8));
+                    tl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD8(q + 16))), _mm256_loadu_ps(xp + 16), tl);
+                    th = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD8(q + 24))), _mm256_loadu_ps(xp + 24), th);
+                }
+                lo[r] = _mm256_fmadd_ps(tl, sc, lo[r]);
+                hi[r] = _mm256_fmadd_ps(th, sc, hi[r]);
+            }
+        }
+        for (int r = 0; r < 4; r++) res[h + r] = reduce16(lo[r], hi[r]);
+    }
+}
+#ifndef GS_R8_AVX2_ONE
+#define GS_R8_AVX2_ONE 1 /* 0: one row of x through tile_avx2, for A/B */
+#endif
+#define R8_XM8_MAX 16384 /* the longest K whose -8x fits the stack buffer; longer K use tile_avx2 */
+#endif
+
 /* The rows of scheduling unit t (sg->tile rows, a multiple of 8) of a regrouped segment (fmt) for M rows
  * of fp32 x. With AVX-512 or AVX2 the SIMD tiles read the layout in place (levels32's FMT_*R8 cases);
  * elsewhere each row is rebuilt in its stored format into a buffer (correct, not fast; the Python side
@@ -126,12 +182,24 @@ static inline __attribute__((always_inline)) void r8_tile(const int fmt, const g
     const int n0 = t * sg->tile, n1 = n0 + sg->tile < N ? n0 + sg->tile : N;
     const long xb = r8_block(fmt);
 #if defined(GS_AVX512) || defined(GS_AVX2)
+#ifdef GS_AVX2
+    float xm8[fmt == FMT_Q4_0R8 && M == 1 && K <= R8_XM8_MAX ? K : 1] __attribute__((aligned(32))); /* -8x */
+    if (fmt == FMT_Q4_0R8 && M == 1 && K <= R8_XM8_MAX)
+        for (int k = 0; k < K; k += 8) _mm256_store_ps(xm8 + k, _mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_set1_ps(-8.f)));
+#endif
     for (int n = n0; n < n1; n += 8) {
         const uint8_t *g = (const uint8_t *)sg->w + (long)(n >> 3) * nb * xb;
 #ifdef GS_AVX512
         if (M == 1) {
             float res[8];
             r8_one_x(fmt, g, K, x, res);
+            for (int r = 0; r < 8; r++) y[sg->col + n + r] = res[r];
+            continue;
+        }
+#else
+        if (GS_R8_AVX2_ONE && M == 1 && K <= R8_XM8_MAX) {
+            float res[8];
+            r8_one_x_avx2(fmt, g, K, x, xm8, res);
             for (int r = 0; r < 8; r++) y[sg->col + n + r] = res[r];
             continue;
         }
