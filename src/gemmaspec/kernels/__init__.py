@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -321,6 +322,107 @@ def _release(t: torch.Tensor) -> None:
         pass
 
 
+_bg_lock = threading.Lock()
+_bg_ready = weakref.WeakKeyDictionary()  # StoredWeight -> (regrouped copy or None, batch): done, not in use yet
+
+
+class _Batch:
+    """One background regroup: how many of its weights are not yet in use, and an event set when none is."""
+
+    def __init__(self, n: int):
+        self.left, self.done = n, threading.Event()
+
+
+def regroup_in_background(weights) -> threading.Thread | None:
+    """Regroup the fp32-activation layout (``r8.h``) of ``weights`` on a background thread (one kernel
+    thread), so that a process's first products (the prompt's prefill, the first decode steps) need not
+    wait for it (~0.2-0.3 s for the default model's 170 MiB): until a weight's copy is done its
+    products read it as stored (the same bits: the regrouped layout computes exactly what the stored
+    one does), and :func:`sync_layouts`, called before products by the thread that runs them, puts
+    each finished copy in use by patching the kernel-argument arrays in place (so every cached plan
+    sees it). The stored pages are released as for a regroup on first use. Skipped (None) without the
+    C kernel, on kernel paths that read only the stored layout, in the int8-activation mode (whose
+    repacked layout sums in another order than the stored one), and with ``GEMMASPEC_REGROUP=first-use``
+    (the regroup then happens at each weight's first product, as before).
+
+    Args:
+        weights: the weights products will run on (others, and weights already regrouped, are skipped),
+            in the order the first forward reaches them.
+
+    Returns:
+        the started daemon thread, or None when there is nothing to do.
+    """
+    lib = load_library()
+    if lib is None or act_quant() == "q8_0" or os.environ.get("GEMMASPEC_REGROUP", "background") == "first-use":
+        return None
+    todo, seen = [], set()
+    for w in weights:
+        if isinstance(w, StackedWeight):
+            parts = [q for q in w._segment_owners() if q is not None]
+        else:
+            parts = [w] if isinstance(w, StoredWeight) else []
+        for q in parts:
+            if id(q) not in seen and q.__dict__.get("_r8") is None and not q.__dict__.get("_bg") and q._regroups(lib):
+                seen.add(id(q))
+                todo.append(q)
+    if not todo:
+        return None
+    batch = _Batch(len(todo))
+    for q in todo:
+        q._bg = True
+    refs = [weakref.ref(q) for q in todo]  # a model dropped meanwhile is not kept alive by its regroup
+    th = threading.Thread(target=_regroup_worker, args=(lib, refs, batch), name="gemmaspec-regroup", daemon=True)
+    th.start()
+    return th
+
+
+def _regroup_worker(lib, refs: list, batch: _Batch) -> None:
+    for ref in refs:
+        w = ref()
+        if w is None:
+            continue
+        try:
+            out = w._repacked(lib.gs_repack_r8, nthreads=1)
+        except Exception:  # noqa: BLE001 - the weight stays as stored, which is correct
+            log.exception("gemmaspec: background regroup of a %s weight failed; it stays as stored", w.qtype)
+            out = None
+        with _bg_lock:
+            _bg_ready[w] = (out, batch)
+        del w
+    while not batch.done.wait(5.0):  # until every copy is in use, or the weights are gone
+        if all(r() is None for r in refs):
+            return
+    for ref in refs:  # stored pages that products read again before their copy was in use
+        w = ref()
+        if w is not None:
+            _release(w.raw)
+
+
+def sync_layouts(weights) -> None:
+    """Put those of ``weights`` (:class:`StoredWeight` or None, as :meth:`CPUBlockWeight._segment_owners`
+    lists them) that :func:`regroup_in_background` has finished in use: each copy's address and format
+    are written into the kernel-argument arrays built from its stored layout. Called by the thread about
+    to run products on those weights, before it runs them (a weight's product and the C decode/draft
+    steps call it for their own weights), so no kernel reads an array while it changes (a weight's
+    products are not run from two threads at once). Cheap when there is nothing to do."""
+    if not _bg_ready:
+        return
+    with _bg_lock:
+        items = [(w, *_bg_ready.pop(w)) for w in weights if w is not None and w in _bg_ready]
+    for w, out, batch in items:
+        if out is not None and w.__dict__.get("_r8") is None:
+            w._r8 = out
+            fmt, ptr = _R8[w.qtype], out.data_ptr()
+            for fmts, ws, i in w.__dict__.pop("_patches", []):
+                ws[i] = ptr
+                fmts[i] = fmt
+        w.__dict__.pop("_patches", None)
+        w._bg = False
+        batch.left -= 1
+        if batch.left == 0:
+            batch.done.set()
+
+
 class CPUBlockWeight(BlockWeight):
     """The CPU formats' shared product logic (:class:`QuantizedWeight`, :class:`StoredWeight`,
     :class:`StackedWeight`; the interface, :class:`~gemmaspec.kernels.base.BlockWeight`, lives in
@@ -365,6 +467,8 @@ class CPUBlockWeight(BlockWeight):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for x float32 [..., K] → float32 [..., N]: the C kernel for up to ``SMALL_M`` rows,
         tiles of W through PyTorch's matmul for more, a kept float32 W without a kernel."""
+        if _bg_ready:
+            sync_layouts(self._segment_owners())
         plan = self.__dict__.get("_plan")
         if plan is not None and x.device.type == "cpu":
             # the decode path, kept short (a step makes ~70 of these calls): shapes, kernel arguments
@@ -409,9 +513,10 @@ class CPUBlockWeight(BlockWeight):
     def kernel_args(self, lib, q8: bool) -> tuple:
         """``((nseg, fmts, ws, ss, os, Gs, Ns), offset group, segments)``: the C kernel's arguments for
         this weight (ctypes arrays) in the fp32 or the int8-activation mode, built once per mode."""
+        sync_layouts(self._segment_owners())
         key = "_kernel_args_q8" if q8 else "_kernel_args"
         cached = self.__dict__.get(key)
-        if cached is None:  # built once: the weight's tensors (and so their addresses) never change
+        if cached is None:  # built once: the arrays never move (a background regroup patches them in place)
             segs = self._segments_q8(lib) if q8 else self._segments_f32(lib)
             ns = len(segs)
             arr = lambda ctype, vals: (ctype * ns)(*vals)  # noqa: E731
@@ -422,8 +527,19 @@ class CPUBlockWeight(BlockWeight):
                 arr(P, [None if s[3] is None else s[3].data_ptr() for s in segs]),
                 arr(ctypes.c_int, [s[4] for s in segs]), arr(ctypes.c_int, [s[5] for s in segs])),
                 self._offset_group(), segs)  # segs: keeps the tensors the addresses point into alive
+            if not q8:  # segments still stored while a background regroup works on them: patched when it is done
+                owners = self._segment_owners()
+                if len(owners) == ns:
+                    for i, w in enumerate(owners):
+                        if w is not None and w.__dict__.get("_bg") and segs[i][1] is w.raw:
+                            w.__dict__.setdefault("_patches", []).append((cached[0][1], cached[0][2], i))
             self.__dict__[key] = cached
         return cached
+
+    def _segment_owners(self) -> list:
+        """The :class:`StoredWeight` behind each of this weight's segments (None for other kinds), in
+        segment order."""
+        return [None] * len(self._segments())
 
     def _dequant_rows(self, lib, n0: int, n1: int, out: torch.Tensor) -> None:
         """Rows n0..n1-1 of W into float32 ``out`` [>= n1 - n0, K] (the C kernel's dequantizer)."""
@@ -598,18 +714,28 @@ class StoredWeight(CPUBlockWeight):
                 return self._segments()
         return [(_X8[self.qtype], self._x8, None, None, 32, n)]
 
-    def _repacked(self, repack) -> torch.Tensor | None:
+    def _repacked(self, repack, nthreads: int | None = None) -> torch.Tensor | None:
         """A copy of the rows in another layout of the same size (``repack``: ``gs_repack_x8`` or
-        ``gs_repack_r8``), built chunk by chunk, each chunk's stored pages released once copied (so the
-        peak stays one chunk above the stored size); None if the kernel refuses the format."""
+        ``gs_repack_r8``), built chunk by chunk on ``nthreads`` threads (default :func:`threads`), each
+        chunk's stored pages released once copied (so the peak stays one chunk above the stored size; a
+        released page read again comes back unchanged from the file or swap); None if the kernel refuses
+        the format."""
         n = self.raw.shape[0]
         out = torch.empty_like(self.raw)  # pages are only taken as they are written (~0.2 s for 170 MiB here)
         for r0 in range(0, n, _REPACK_ROWS):
             r1 = min(n, r0 + _REPACK_ROWS)
-            if repack(_FMT[self.qtype], self.raw[r0].data_ptr(), r1 - r0, self.k, out[r0].data_ptr(), threads()):
+            if repack(_FMT[self.qtype], self.raw[r0].data_ptr(), r1 - r0, self.k, out[r0].data_ptr(),
+                      nthreads or threads()):
                 return None
             _release(self.raw[r0:r1])
         return out
+
+    def _regroups(self, lib) -> bool:
+        """Whether the fp32 products read this weight regrouped (:meth:`_segments_f32`)."""
+        return self.qtype in _R8 and self.raw.shape[0] % 8 == 0 and lib.gs_isa().decode() in _R8_ISAS
+
+    def _segment_owners(self) -> list:
+        return [self]
 
     def _segments_f32(self, lib) -> list[tuple]:
         """Q4_0 and Q8_0 with a multiple of 8 rows, on a kernel path of :data:`_R8_ISAS`: the rows
@@ -619,9 +745,11 @@ class StoredWeight(CPUBlockWeight):
         memory as for :meth:`_segments_q8`; otherwise as stored. (A process that uses both activation
         modes on one weight keeps both layouts.)"""
         n = self.raw.shape[0]
-        if self.qtype not in _R8 or n % 8 or lib.gs_isa().decode() not in _R8_ISAS:
+        if not self._regroups(lib):
             return self._segments()
         if self.__dict__.get("_r8") is None:
+            if self.__dict__.get("_bg"):  # being regrouped in the background: as stored until it is done
+                return self._segments()
             self._r8 = self._repacked(lib.gs_repack_r8)
             if self._r8 is None:
                 return self._segments()
@@ -704,6 +832,9 @@ class StackedWeight(CPUBlockWeight):
 
     def _segments_f32(self, lib) -> list[tuple]:
         return [s for p in self.parts for s in p._segments_f32(lib)]
+
+    def _segment_owners(self) -> list:
+        return [w for p in self.parts for w in p._segment_owners()]
 
     def _read_segments(self) -> list[tuple]:
         return [s for p in self.parts for s in p._read_segments()]

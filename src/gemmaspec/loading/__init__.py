@@ -51,7 +51,21 @@ def load_checkpoint(path: str | os.PathLike | None, device: torch.device | str =
     device = torch.device(device)
     if device.type != "cpu":
         loaded.model = loaded.model.to(device)
+    else:
+        from .. import kernels
+
+        kernels.regroup_in_background(product_weights(loaded.model))
     return loaded
 
 
-__all__ = ["LoadedModel", "load_checkpoint", "default_model_path"]
+def product_weights(model) -> list:
+    """The weights of ``model`` that products run on, in the order a forward reaches them, the head
+    last: every entry of ``model.weights`` but token-embedding tables that are only looked up by row
+    (``token_embd``, Gemma 4's ``per_layer_token_embd``), a tied head counted once, as the head."""
+    head = getattr(model, "head", None)
+    ws = [w for name, w in getattr(model, "weights", {}).items()
+          if w is not head and not name.endswith("token_embd.weight")]
+    return ws + ([head] if head is not None else [])
+
+
+__all__ = ["LoadedModel", "load_checkpoint", "default_model_path", "product_weights"]

@@ -92,6 +92,9 @@ def run_step(assistant, x_embed: torch.Tensor, h: torch.Tensor, kv: dict, rope: 
     static = _static(assistant, lib, q8)
     if static is None:
         return None
+    if kernels._bg_ready:  # copies regrouped in the background: in use from this step
+        kernels.sync_layouts([o for w in assistant.weights.values() if isinstance(w, CPUBlockWeight)
+                              for o in w._segment_owners()])
     base, pre, post, head = static
     c = assistant.config
     tables = {}

@@ -70,6 +70,15 @@ def _layers(model, lib, q8: bool):
     return arr
 
 
+def _owners(model) -> list:
+    """The stored weights behind the layers' products (kept on the model)."""
+    got = model.__dict__.get("_c_owners")
+    if got is None:
+        got = [o for ly in model.layers for w in (ly.qkv, ly.o, ly.gate_up, ly.down) for o in w._segment_owners()]
+        model.__dict__["_c_owners"] = got
+    return got
+
+
 def _kv(cache, n_layers: int):
     """Layer l's key and value buffers as 2 * n_layers pointers, kept on the cache (its buffers never move)."""
     got = cache.__dict__.get("_c_kv")
@@ -98,6 +107,8 @@ def run_layers(model, x: torch.Tensor, cache, start: int, plans: dict, rope: dic
         return None
     q8 = kernels.act_quant() == "q8_0"
     layers = _layers(model, lib, q8)
+    if layers is not None and kernels._bg_ready:  # copies regrouped in the background: in use from this step
+        kernels.sync_layouts(_owners(model))
     kv = None if layers is None else _kv(cache, len(model.layers))
     if kv is None:
         return None
