@@ -639,6 +639,9 @@ static inline __m256 cvt8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_
 #ifndef GS_AVX2_WF32
 #define GS_AVX2_WF32 1 /* levels read straight into 32-bit lanes (wf32_avx2); 0 = levels32 + cvt8, for A/B */
 #endif
+#ifndef GS_Q5_STORE
+#define GS_Q5_STORE 0 /* Q5_0's 32 levels widened from a stack copy (1) or from the register (0), for A/B */
+#endif
 #define LD8(q) _mm_loadl_epi64((const __m128i *)(const void *)(q)) /* 8 bytes: folded into vpmov*xbd */
 
 /* Group-block b (G = 32 formats) of one row as fp32 levels in value order: w[i] = values 8i .. 8i + 7;
@@ -684,9 +687,18 @@ static inline __attribute__((always_inline)) void wf32_avx2(const int fmt, const
                                                          0x0101010101010101, 0x0000000000000000));
             const __m256i bit = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFE)),
                                                   _mm256_set1_epi8(-1));
-            int8_t lv[32] __attribute__((aligned(32)));
-            _mm256_store_si256((__m256i *)lv, _mm256_or_si256(nib, _mm256_andnot_si256(bit, _mm256_set1_epi8((char)0xF0))));
-            for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD8(lv + 8 * i)));
+            const __m256i lv = _mm256_or_si256(nib, _mm256_andnot_si256(bit, _mm256_set1_epi8((char)0xF0)));
+#if GS_Q5_STORE
+            int8_t t8[32] __attribute__((aligned(32)));
+            _mm256_store_si256((__m256i *)t8, lv);
+            for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(LD8(t8 + 8 * i)));
+#else
+            const __m128i l = _mm256_castsi256_si128(lv), h = _mm256_extracti128_si256(lv, 1);
+            w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(l));
+            w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(l, l)));
+            w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h));
+            w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(h, h)));
+#endif
             *sc = f16_to_f32(blk);
             return;
         }
