@@ -333,6 +333,21 @@ class _Batch:
         self.left, self.done = n, threading.Event()
 
 
+_BG_MEM_SHARE = 0.25  # a background regroup only when its copies take at most this share of available memory
+
+
+def _mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def regroup_in_background(weights) -> threading.Thread | None:
     """Regroup the fp32-activation layout (``r8.h``) of ``weights`` on a background thread (one kernel
     thread), so that a process's first products (the prompt's prefill, the first decode steps) need not
@@ -340,7 +355,10 @@ def regroup_in_background(weights) -> threading.Thread | None:
     products read it as stored (the same bits: the regrouped layout computes exactly what the stored
     one does), and :func:`sync_layouts`, called before products by the thread that runs them, puts
     each finished copy in use by patching the kernel-argument arrays in place (so every cached plan
-    sees it). The stored pages are released as for a regroup on first use. Skipped (None) without the
+    sees it). The stored pages are released as for a regroup on first use, but while it works a weight's
+    stored pages that products read again come back, so for a moment (~0.2-0.5 s here) both layouts can be
+    resident: the peak RSS is up to twice the regrouped bytes, not the stored size plus one chunk.
+    Skipped (None) when the copies would take more than a quarter of the available memory, without the
     C kernel, on kernel paths that read only the stored layout, in the int8-activation mode (whose
     repacked layout sums in another order than the stored one), and with ``GEMMASPEC_REGROUP=first-use``
     (the regroup then happens at each weight's first product, as before).
@@ -367,6 +385,9 @@ def regroup_in_background(weights) -> threading.Thread | None:
                 todo.append(q)
     if not todo:
         return None
+    avail = _mem_available()
+    if avail is not None and sum(q.nbytes for q in todo) > _BG_MEM_SHARE * avail:
+        return None  # while it works, stored pages read again and the copies can both be resident
     batch = _Batch(len(todo))
     for q in todo:
         q._bg = True
