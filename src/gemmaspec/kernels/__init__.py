@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import atexit
 import threading
 import weakref
 from pathlib import Path
@@ -393,8 +394,24 @@ def regroup_in_background(weights) -> threading.Thread | None:
         q._bg = True
     refs = [weakref.ref(q) for q in todo]  # a model dropped meanwhile is not kept alive by its regroup
     th = threading.Thread(target=_regroup_worker, args=(lib, refs, batch), name="gemmaspec-regroup", daemon=True)
+    with _bg_lock:
+        if not _bg_threads:
+            atexit.register(_stop_regroups)
+        _bg_threads[:] = [t for t in _bg_threads if t.is_alive()] + [th]
     th.start()
     return th
+
+
+_bg_stop = threading.Event()  # set at interpreter exit: background regroups end at their next chunk
+_bg_threads: list = []
+
+
+def _stop_regroups() -> None:
+    """At exit, end the background regroups and wait for them (a chunk, a few ms): a daemon thread
+    still inside the kernel or PyTorch when the interpreter finalizes aborts the process."""
+    _bg_stop.set()
+    for th in list(_bg_threads):
+        th.join(timeout=30)
 
 
 def _regroup_worker(lib, refs: list, batch: _Batch) -> None:
@@ -402,16 +419,18 @@ def _regroup_worker(lib, refs: list, batch: _Batch) -> None:
         w = ref()
         if w is None:
             continue
+        if _bg_stop.is_set():
+            return
         try:
-            out = w._repacked(lib.gs_repack_r8, nthreads=1)
+            out = w._repacked(lib.gs_repack_r8, nthreads=1, stop=_bg_stop)
         except Exception:  # noqa: BLE001 - the weight stays as stored, which is correct
             log.exception("gemmaspec: background regroup of a %s weight failed; it stays as stored", w.qtype)
             out = None
         with _bg_lock:
             _bg_ready[w] = (out, batch)
         del w
-    while not batch.done.wait(5.0):  # until every copy is in use, or the weights are gone
-        if all(r() is None for r in refs):
+    while not batch.done.wait(0.5):  # until every copy is in use, or the weights are gone, or exit
+        if _bg_stop.is_set() or all(r() is None for r in refs):
             return
     for ref in refs:  # stored pages that products read again before their copy was in use
         w = ref()
@@ -735,15 +754,17 @@ class StoredWeight(CPUBlockWeight):
                 return self._segments()
         return [(_X8[self.qtype], self._x8, None, None, 32, n)]
 
-    def _repacked(self, repack, nthreads: int | None = None) -> torch.Tensor | None:
+    def _repacked(self, repack, nthreads: int | None = None, stop=None) -> torch.Tensor | None:
         """A copy of the rows in another layout of the same size (``repack``: ``gs_repack_x8`` or
         ``gs_repack_r8``), built chunk by chunk on ``nthreads`` threads (default :func:`threads`), each
         chunk's stored pages released once copied (so the peak stays one chunk above the stored size; a
         released page read again comes back unchanged from the file or swap); None if the kernel refuses
-        the format."""
+        the format, or when ``stop`` (a :class:`threading.Event`) is set between chunks."""
         n = self.raw.shape[0]
         out = torch.empty_like(self.raw)  # pages are only taken as they are written (~0.2 s for 170 MiB here)
         for r0 in range(0, n, _REPACK_ROWS):
+            if stop is not None and stop.is_set():
+                return None
             r1 = min(n, r0 + _REPACK_ROWS)
             if repack(_FMT[self.qtype], self.raw[r0].data_ptr(), r1 - r0, self.k, out[r0].data_ptr(),
                       nthreads or threads()):
