@@ -12,6 +12,7 @@ import torch
 
 from gemmaspec import kernels
 from gemmaspec.kernels import QuantizedWeight
+from gemmaspec.models import base
 from gemmaspec.models.base import apply_rope, norm_rope, rms_norm, rope_cos_sin
 
 
@@ -140,3 +141,19 @@ def test_products_from_several_python_threads_at_once(lib):
         t.join()
     torch.set_num_threads(before)
     assert not errors
+
+
+@pytest.mark.parametrize("head_dim, theta, scaling, rotary_dim",
+                         [(256, 10000.0, 1.0, None), (256, 1e6, 8.0, None), (512, 1e6, 1.0, 128)])
+def test_rope_table_gives_the_computed_bits(head_dim, theta, scaling, rotary_dim):
+    """The CPU RoPE table returns exactly what the formula computes for those positions, for one
+    position (decode), a run of them (prefill), a batch's mixed positions, and past the table."""
+    base._rope_tables.clear()
+    cases = [torch.tensor([p]) for p in (0, 1, 255, 256, 300, 4095, base._ROPE_TABLE_ROWS - 1,
+                                         base._ROPE_TABLE_ROWS + 5)]
+    cases += [torch.arange(40, 47), torch.arange(1000, 1256), torch.tensor([9, 3, 700, 3])]
+    for pos in cases:
+        want = base._rope_compute(pos, head_dim, theta, scaling, rotary_dim)
+        got = rope_cos_sin(pos, head_dim, theta, scaling, rotary_dim)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), pos
+    assert base._rope_tables  # the table path was taken

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from gemmaspec.errors import InputError
-from gemmaspec.sampling import Sampler, SamplingParams, filtered_probs
+from gemmaspec.sampling import Sampler, SamplingParams, apply_repeat_penalty, argmax, filtered_probs, greedy_token
 
 # probabilities 0.4, 0.3, 0.15, 0.1, 0.05 (temperature 1)
 P = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])
@@ -55,6 +55,36 @@ def test_repeat_penalty():
     logits = torch.tensor([1.0, 2.0, -1.0])
     ids, _ = filtered_probs(logits, p, history=[1])
     assert ids.tolist() == [0]  # 2.0 / 10 < 1.0
+
+
+_small_logits = st.lists(st.sampled_from([-math.inf, -3.0, -1.0, 0.0, 0.5, 2.0, 2.0, 7.0]), min_size=1, max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_small_logits, st.lists(st.tuples(st.integers(0, 11), st.sampled_from([-math.inf, -100.0, -2.0, 0.0, 3.0])),
+                               max_size=4),
+       st.sampled_from([1.0, 1.3]), st.sampled_from([0.0, 0.5]), st.lists(st.integers(0, 11), max_size=6))
+def test_greedy_token_is_the_argmax_after_bias_and_penalties(vals, bias, rep, pres, history):
+    """The greedy shortcut (raw argmax unless the bias touches it) picks what the full chain picks:
+    ties to the lowest id, bans of the raw winner, positive biases and penalties included."""
+    logits = torch.tensor(vals, dtype=torch.float32)
+    bias = tuple((t, b) for t, b in bias if t < len(vals))
+    history = [t for t in history if t < len(vals)]
+    p = SamplingParams(temperature=0, logit_bias=bias, repeat_penalty=rep, presence_penalty=pres)
+    want = int(torch.argmax(apply_repeat_penalty(logits, history, p)))
+    assert greedy_token(logits, p, history) == want
+    assert filtered_probs(logits, p, history)[0].tolist() == [want]
+    assert Sampler(p).sample(logits, history) == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([-math.inf, -1.0, 0.0, 1.0, 1.0, math.inf, math.nan]), min_size=1, max_size=40),
+       st.integers(1, 3))
+def test_argmax_matches_torch(vals, rows):
+    """The NumPy argmax returns torch.argmax's index: first of equal maxima, first NaN, per row."""
+    x = torch.tensor(vals, dtype=torch.float32).repeat(rows, 1)
+    assert argmax(x).tolist() == torch.argmax(x, -1).tolist()
+    assert int(argmax(x[0])) == int(torch.argmax(x[0]))
 
 
 @settings(max_examples=50, deadline=None)

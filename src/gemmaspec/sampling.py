@@ -93,6 +93,36 @@ class SamplingParams:
                 and not self.logit_bias)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Index of the largest value along the last axis of ``logits`` (float32 [V] or [T, V]), int64
+    [] or [T]; ties (and NaNs) go to the lowest index, as :func:`torch.argmax`. A contiguous CPU tensor
+    goes through NumPy, whose argmax reads a 262,144-token row in ~0.03 ms where PyTorch's takes
+    ~0.6 ms (measured on a 2-core Zen 3, in a decode step of ~25 ms)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous() \
+            and not logits.requires_grad:
+        return torch.from_numpy(np.asarray(logits.numpy().argmax(-1), dtype=np.int64))
+    return logits.argmax(-1)
+
+
+def _penalties_neutral(params: "SamplingParams") -> bool:
+    return params.repeat_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+
+
+def greedy_token(logits: torch.Tensor, params: "SamplingParams", history=()) -> int:
+    """The greedy token for logits float32 [V] under ``params``' logit bias and penalties: the argmax
+    of :func:`apply_repeat_penalty`'s logits, the same id. Shortcut: without penalties and with no
+    positive bias, the raw argmax is the answer unless the bias touches it (a bias <= 0 cannot raise
+    another token above it, and an equal value earlier would have been the raw argmax), so the
+    ``ignore_eos`` bans cost a lookup instead of a copy of the logits."""
+    if params.raw_logits:
+        return int(argmax(logits))
+    if _penalties_neutral(params) and all(b <= 0 for _, b in params.logit_bias):
+        best = int(argmax(logits))
+        if best not in {t for t, _ in params.logit_bias} and not math.isnan(float(logits[best])):
+            return best
+    return int(argmax(apply_repeat_penalty(logits, history, params)))
+
+
 def ban_end_of_generation(params: SamplingParams, stop_ids) -> SamplingParams:
     """``params`` with ``ignore_eos`` made as llama.cpp makes it: a logit bias of -inf on every
     end-of-generation token (``stop_ids``: EOS, end of turn) appended, so they are never sampled;
@@ -115,7 +145,7 @@ def apply_repeat_penalty(logits: torch.Tensor, history, params: SamplingParams) 
         logits.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype,
                                                device=logits.device))
     window = list(history[-params.repeat_last_n:]) if params.repeat_last_n and history else []
-    if not window:
+    if not window or _penalties_neutral(params):
         return logits
     counts: dict[int, int] = {}
     for t in window:
@@ -146,11 +176,13 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, history=(),
         ``(ids, probs)``: int64 [n] candidate ids (most likely first) and float64 [n] probabilities
         summing to 1. Greedy gives one id with probability 1.
     """
+    if params.greedy and mask is None:
+        return torch.tensor([greedy_token(logits, params, history)]), torch.ones(1, dtype=torch.float64)
     logits = apply_repeat_penalty(logits, history, params)
     if mask is not None:
         logits = logits.masked_fill(~mask, -math.inf)
     if params.greedy:
-        return logits.argmax().view(1), torch.ones(1, dtype=torch.float64)
+        return argmax(logits).view(1), torch.ones(1, dtype=torch.float64)
     v = logits.shape[-1]
     if 0 < params.top_k < v:
         vals, ids = torch.topk(logits, params.top_k)  # sorted, most likely first
@@ -217,7 +249,7 @@ class Sampler:
         """One token from logits float32 [V]; with ``pos`` (its absolute position) drawn from that
         position's own stream (:meth:`draw_at`), else from the request's running stream. ``mask``
         (bool [V]) restricts it to a grammar's allowed tokens (:func:`filtered_probs`)."""
-        if self.params.greedy and self.params.raw_logits and mask is None:
-            return int(logits.argmax())
+        if self.params.greedy and mask is None:
+            return greedy_token(logits, self.params, history)
         dist = filtered_probs(logits, self.params, history, mask)
         return self.draw(*dist) if pos is None else self.draw_at(pos, *dist)

@@ -107,13 +107,39 @@ def norm_rope(x: torch.Tensor, heads_first: int, heads_rest: int, d: int, w_firs
     return out
 
 
+_ROPE_TABLE_ROWS = 8192  # positions below this come from a per-(shape, theta) table; above, computed
+_rope_tables: dict = {}
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: float = 1.0,
                  rotary_dim: int | None = None):
-    """cos/sin float32 [T, head_dim] for rotate-half RoPE (transformers ``rotate_half`` layout).
+    """cos/sin float32 [T, head_dim] for rotate-half RoPE (transformers ``rotate_half`` layout), for
+    positions int64 [T].
 
     ``rotary_dim`` < head_dim rotates only the first frequencies ("proportional" partial RoPE,
     Gemma 4 global layers): the remaining frequencies get cos 1, sin 0.
+
+    On the CPU, positions below ``_ROPE_TABLE_ROWS`` are looked up in a table of the same formula
+    over every position up to a power of two (built on first need, grown by doubling): the same bits
+    as computing them (each element is one float multiply and one vectorized cos/sin either way), in
+    ~10 us instead of ~100 us per call — twice per decode step.
     """
+    if positions.device.type == "cpu" and positions.numel():
+        hi = int(positions.max())
+        if 0 <= int(positions.min()) and hi < _ROPE_TABLE_ROWS:
+            key = (head_dim, float(theta), float(scaling), rotary_dim)
+            table = _rope_tables.get(key)
+            if table is None or table[0].shape[0] <= hi:
+                n = 256
+                while n <= hi:
+                    n *= 2
+                table = _rope_compute(torch.arange(n), head_dim, theta, scaling, rotary_dim)
+                _rope_tables[key] = table
+            return table[0].index_select(0, positions), table[1].index_select(0, positions)
+    return _rope_compute(positions, head_dim, theta, scaling, rotary_dim)
+
+
+def _rope_compute(positions, head_dim, theta, scaling, rotary_dim):
     rdim = head_dim if rotary_dim is None else rotary_dim
     inv_freq = 1.0 / (theta ** (torch.arange(0, rdim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
     if rdim < head_dim:

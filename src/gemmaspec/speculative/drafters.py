@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from ..kernels import ops_on_one_thread
+from ..sampling import argmax
 
 
 @dataclass
@@ -169,7 +170,7 @@ class DraftModelDrafter:
             out = self.model.forward(torch.tensor([last]), self.cache)
             self.done.append(last)
             logits = out.logits[0]
-            tok = int(logits.argmax())
+            tok = int(argmax(logits))
             if self.p_min > 0 and float(torch.softmax(logits, -1)[tok]) < self.p_min:
                 break
             drafts.append(tok)

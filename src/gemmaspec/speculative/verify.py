@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import filtered_probs
+from ..sampling import argmax, filtered_probs
 
 
 @dataclass
@@ -137,7 +137,7 @@ def verify_round(logits: torch.Tensor, history: list[int], drafts: list[int], di
     """
     mask = masks if masks is not None else (lambda i: None)
     if params.greedy and params.raw_logits and masks is None:
-        return verify_greedy(logits.argmax(-1).tolist(), drafts)
+        return verify_greedy(argmax(logits).tolist(), drafts)
     memo = {}
 
     def target(i):
