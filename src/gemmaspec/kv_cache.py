@@ -133,12 +133,12 @@ class KVCache:
         Call it for every window kind *before* :meth:`note_written` of the same forward.
         """
         dev = self.device
-        q_pos = torch.arange(start, start + t, device=dev)
         end = start + t
         ring = window is not None and self.ring_rows is not None
+        if (not ring or end <= self.ring_rows) and t == 1 and (window is None or end <= window):
+            return ReadPlan("prefix", end=end)
+        q_pos = torch.arange(start, start + t, device=dev)
         if not ring or end <= self.ring_rows:
-            if t == 1 and (window is None or end <= window):
-                return ReadPlan("prefix", end=end)
             k_pos = torch.arange(end, device=dev)
             return ReadPlan("prefix", end=end, mask=self._mask(q_pos, k_pos, window))
         rows = self.ring_rows
@@ -166,8 +166,13 @@ class KVCache:
         """Mark positions start..start+t-1 as written (called by the model after a forward)."""
         if self.ring_rows:
             keep = min(t, self.ring_rows)
-            pos = torch.arange(start + t - keep, start + t, device=self.device)
-            self.slot_pos[pos % self.ring_rows] = pos
+            if keep <= 4 and self.device.type == "cpu":  # a decode or verify step: element writes, no tensor op
+                view = self.slot_pos.numpy()
+                for p in range(start + t - keep, start + t):
+                    view[p % self.ring_rows] = p
+            else:
+                pos = torch.arange(start + t - keep, start + t, device=self.device)
+                self.slot_pos[pos % self.ring_rows] = pos
         self.length = start + t
         self._high = max(self._high, self.length)
 
@@ -184,7 +189,7 @@ class KVCache:
             raise ValueError(
                 f"cannot roll back {self._high - new_length} positions: the sliding-window cache keeps "
                 f"{self.max_rollback}; build the cache with a larger max_rollback")
-        if self.ring_rows:  # rows past the new end hold positions that no longer exist
+        if self.ring_rows and new_length < self.length:  # rows past the new end hold positions that no longer exist
             self.slot_pos[self.slot_pos >= new_length] = -1
         self.length = new_length
 

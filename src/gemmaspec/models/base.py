@@ -139,6 +139,17 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: 
     return _rope_compute(positions, head_dim, theta, scaling, rotary_dim)
 
 
+def rope_span(start: int, t: int, head_dim: int, theta: float, scaling: float = 1.0,
+              rotary_dim: int | None = None):
+    """:func:`rope_cos_sin` of positions ``start .. start + t - 1``: on the CPU, views of the table's rows
+    (no tensor op beyond the slice, which a decode step pays twice), else computed."""
+    key = (head_dim, float(theta), float(scaling), rotary_dim)
+    table = _rope_tables.get(key)
+    if table is not None and 0 <= start and start + t <= table[0].shape[0]:
+        return table[0][start:start + t], table[1][start:start + t]
+    return rope_cos_sin(torch.arange(start, start + t), head_dim, theta, scaling, rotary_dim)
+
+
 def _rope_compute(positions, head_dim, theta, scaling, rotary_dim):
     rdim = head_dim if rotary_dim is None else rotary_dim
     inv_freq = 1.0 / (theta ** (torch.arange(0, rdim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))

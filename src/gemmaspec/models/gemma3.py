@@ -22,7 +22,7 @@ from .decode_step import run_layers
 from ..kernels import SMALL_M, BlockWeight, StackedWeight
 from ..kv_cache import KVCache
 from .base import (ForwardOutput, add_rms_norm, apply_rope, attention, gelu_mul, linear, norm_rope, rms_norm,
-                   rope_cos_sin, step_threads)
+                   rope_cos_sin, rope_span, step_threads)
 
 
 def _fuse(parts):
@@ -206,11 +206,17 @@ class Gemma3Model:
         single = len(seqs) == 1
         tokens = seqs[0][0] if single else torch.cat([tok for tok, _ in seqs])
         n = bounds[-1]
-        pos = torch.cat([torch.arange(s, s + tok.shape[0], device=self.device) for s, (tok, _) in zip(starts, seqs)])
-        rope = {
-            True: rope_cos_sin(pos, c.head_dim, c.rope_theta_local),
-            False: rope_cos_sin(pos, c.head_dim, c.rope_theta_global, c.rope_scaling_factor),
-        }
+        if single and self.device.type == "cpu":  # rows of the RoPE table (views)
+            rope = {
+                True: rope_span(starts[0], n, c.head_dim, c.rope_theta_local),
+                False: rope_span(starts[0], n, c.head_dim, c.rope_theta_global, c.rope_scaling_factor),
+            }
+        else:
+            pos = torch.cat([torch.arange(s, s + tok.shape[0], device=self.device) for s, (tok, _) in zip(starts, seqs)])
+            rope = {
+                True: rope_cos_sin(pos, c.head_dim, c.rope_theta_local),
+                False: rope_cos_sin(pos, c.head_dim, c.rope_theta_global, c.rope_scaling_factor),
+            }
         lin = _linear_rows if split_rows else linear
         h_q, h_kv, d = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import argmax, filtered_probs
+from ..sampling import argmax, filtered_probs, greedy_token
 
 
 @dataclass
@@ -138,6 +138,13 @@ def verify_round(logits: torch.Tensor, history: list[int], drafts: list[int], di
     mask = masks if masks is not None else (lambda i: None)
     if params.greedy and params.raw_logits and masks is None:
         return verify_greedy(argmax(logits).tolist(), drafts)
+    if params.greedy and masks is None:  # token ids straight from the logits (bias, penalties): no tensors
+        n = 0
+        while True:
+            t = greedy_token(logits[n], params, history if n == 0 else history + drafts[:n])
+            if n == len(drafts) or t != int(drafts[n]):
+                return Verdict(n, t, "recovered" if n < len(drafts) else "bonus")
+            n += 1
     memo = {}
 
     def target(i):
