@@ -84,6 +84,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=None,
                    help="context size in tokens (0 = the model's; default 4096 or the model's, if smaller)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default auto)")
+    p.add_argument("--context-shift", dest="context_shift", action="store_true", default=False,
+                   help="when the context fills, drop tokens after the first --keep and go on (a prompt that "
+                        "does not fit is cut the same way) instead of stopping; the cache is rebuilt from the "
+                        "tokens kept, so output is exactly the model's on the shortened context")
+    p.add_argument("--no-context-shift", dest="context_shift", action="store_false", help="stop at the context (default)")
+    p.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="tokens of the prompt kept by a context shift, after BOS (-1: the whole prompt; default 0)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: the physical cores this process may use)")
     p.add_argument("--act-quant", default=None, choices=["none", "q8_0"],
                    help="activations of the CPU kernel's decode/verify products: none = fp32 (default; matches "
@@ -314,11 +321,14 @@ def _cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     engine, drafter, n_max, load_s = _load(args)
     ids = engine.encode_prompt(prompt, chat=args.chat, system=args.system_prompt)
-    engine.check_prompt(ids)
+    engine.context_shift = args.context_shift
+    if not args.context_shift:
+        engine.check_prompt(ids)
     _print_memory(args)
     stats = RequestStats()
     out = sys.stdout
-    for ev in engine.generate(ids, params, drafter=drafter, n_max=n_max, n_min=args.spec_draft_n_min, stats=stats):
+    for ev in engine.generate(ids, params, drafter=drafter, n_max=n_max, n_min=args.spec_draft_n_min, stats=stats,
+                              n_keep=args.keep):
         out.write(ev.text)
         out.flush()
     out.write("\n")

@@ -42,6 +42,7 @@ class RequestStats:
     ttft_ms: float = 0.0  # request start → first generated token
     decode_ms: float = 0.0  # first generated token → last
     stop_reason: str = ""
+    truncated: bool = False  # the context was shifted (prompt cut or tokens discarded mid-generation)
     seed: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
 
@@ -128,15 +129,36 @@ class RequestState:
             once the grammar can only end. A stop token then always ends it, ``ignore_eos`` or not.
         post_sampling: with ``logprobs``, report probabilities in the sampling distribution instead
             (see :class:`TokenLogprob`; llama-server's ``post_sampling_probs``); not with a constraint.
+        n_keep, n_discard: context shift (only when ``engine.context_shift``; llama-server's
+            ``--context-shift``, ``n_keep``, ``n_discard``): a prompt of ``ctx_size`` tokens or more is cut
+            (its first ``n_keep`` tokens kept, BOS always, then whole blocks of half the room dropped
+            after them), and when generation fills the context ``n_discard`` tokens after the first
+            ``n_keep`` are dropped (0: half of those after them), the cache is rebuilt from the tokens
+            kept (a prefill: exact, where llama.cpp re-rotates its cached keys) and generation goes on;
+            ``stats.truncated`` says so. ``n_keep`` -1 keeps the whole prompt.
 
     Raises:
-        InputError: empty or too long prompt, bad parameters, n_max out of range.
+        InputError: empty or too long prompt (without context shift), bad parameters, n_max out of range.
     """
 
     def __init__(self, engine: "Engine", prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
                  n_max: int | str = 0, n_min: int = 0, stats: RequestStats | None = None, cache=None,
-                 logprobs: int | None = None, constraint=None, post_sampling: bool = False):
+                 logprobs: int | None = None, constraint=None, post_sampling: bool = False,
+                 n_keep: int = 0, n_discard: int = 0):
         params.validate()
+        self.shift = bool(getattr(engine, "context_shift", False))
+        if not isinstance(n_keep, int) or n_keep < -1:
+            raise InputError(f"n_keep must be -1 (the whole prompt) or a number of tokens >= 0 (got {n_keep!r})")
+        if not isinstance(n_discard, int) or n_discard < 0:
+            raise InputError(f"n_discard must be a number of tokens >= 0, 0 for half (got {n_discard!r})")
+        bos = engine.tokenizer.bos_id
+        lead = 1 if prompt_ids and prompt_ids[0] == bos else 0
+        keep = len(prompt_ids) if n_keep == -1 else n_keep + lead
+        self.n_keep, self.n_discard = max(lead, min(keep, engine.ctx_size - 4)), n_discard
+        self.shifted = 0  # tokens dropped by context shifts so far (positions for seeded draws stay absolute)
+        truncated = False
+        if self.shift and prompt_ids and len(prompt_ids) >= engine.ctx_size:
+            prompt_ids, truncated = self._cut_prompt(list(prompt_ids), engine.ctx_size), True
         engine.check_prompt(prompt_ids)
         if constraint is None:  # ignore_eos bans the end-of-generation tokens (llama.cpp's way)
             params = ban_end_of_generation(params, engine.tokenizer.stop_ids)
@@ -157,7 +179,7 @@ class RequestState:
         self.drafter.reset()
         self.stats = st = stats if stats is not None else RequestStats()
         self.sampler = Sampler(params)
-        st.seed, st.prompt_tokens = self.sampler.seed, len(prompt_ids)
+        st.seed, st.prompt_tokens, st.truncated = self.sampler.seed, len(prompt_ids), truncated
         self.constraint = constraint
         self.stop = StopChecker(engine.tokenizer, replace(params, ignore_eos=False) if constraint else params)
         self.tokens = list(prompt_ids)
@@ -203,7 +225,7 @@ class RequestState:
             self.cancel()
             return []
         mask = self.constraint.mask() if self.constraint is not None else None
-        token = self.sampler.sample(out.logits[0], ids, pos=len(ids), mask=mask)
+        token = self.sampler.sample(out.logits[0], ids, pos=len(ids) + self.shifted, mask=mask)
         self.hidden = out.hidden[-1]
         self._t1 = self._t_last = time.perf_counter()
         st = self.stats
@@ -262,7 +284,8 @@ class RequestState:
                     c.consume(drafts[c.consumed - base])
                 return c.mask()
 
-        verdict = verify_round(out.logits, self.tokens, drafts, dists, self.params, self.sampler, pos=len(self.tokens),
+        verdict = verify_round(out.logits, self.tokens, drafts, dists, self.params, self.sampler,
+                               pos=len(self.tokens) + self.shifted,
                                masks=masks)
         if c is not None:
             c.rollback(c.consumed - base)  # back to the kept tokens; they are consumed again below
@@ -308,7 +331,36 @@ class RequestState:
 
     def _check_context(self) -> None:
         if not self.stop.reason and len(self.tokens) >= self.ctx_size:
+            if self.shift and self._shift_context():
+                return
             self.stop.reason = "context"
+
+    def _cut_prompt(self, ids: list[int], n_ctx: int) -> list[int]:
+        """llama-server's prompt truncation: keep the first ``n_keep`` tokens, drop whole blocks of half
+        the remaining room after them, keep the rest (always fewer than ``n_ctx`` tokens)."""
+        keep = self.n_keep
+        block = max(1, (n_ctx - keep) // 2)
+        erased = (len(ids) - keep - block) // block
+        self.shifted += erased * block
+        return ids[:keep] + ids[keep + erased * block:]
+
+    def _shift_context(self) -> bool:
+        """Drop ``n_discard`` tokens after the first ``n_keep`` and rebuild the cache from the tokens kept;
+        False when nothing can be dropped (then the request stops at the context)."""
+        cached = len(self.tokens) - 1  # the pending token is not in the cache
+        keep = min(self.n_keep, cached - 1)
+        discard = self.n_discard or (cached - keep) // 2
+        discard = min(discard, cached - keep - 1)  # at least one cached token after the kept ones
+        if keep < 0 or discard < 1:
+            return False
+        self.tokens = self.tokens[:keep] + self.tokens[keep + discard:]
+        self.shifted += discard
+        self.cache.reset()
+        out = self.engine._prefill(self.tokens[:-1], self.cache)
+        self.hidden = out.hidden[-1]
+        self.drafter.reset()
+        self.stats.truncated = True
+        return True
 
     def _finish(self, events: list[Event]) -> None:
         tail = self.stop.finish()
@@ -355,8 +407,10 @@ class Engine:
         ctx_size: most positions a request may use (prompt + generated), ``-c``.
     """
 
-    def __init__(self, model, tokenizer: GemmaTokenizer, ctx_size: int = 4096, max_rollback: int = 16):
+    def __init__(self, model, tokenizer: GemmaTokenizer, ctx_size: int = 4096, max_rollback: int = 16,
+                 context_shift: bool = False):
         self.model, self.tokenizer, self.ctx_size = model, tokenizer, ctx_size
+        self.context_shift = context_shift  # llama-server's --context-shift (see RequestState)
         self.cache = model.new_cache(ctx_size, max_rollback)
         self.max_rollback = max_rollback
 
@@ -411,7 +465,7 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
                  n_max: int | str = 0, stats: RequestStats | None = None, n_min: int = 0,
-                 constraint=None) -> Iterator[Event]:
+                 constraint=None, n_keep: int = 0, n_discard: int = 0) -> Iterator[Event]:
         """Generate from ``prompt_ids`` in this engine's cache, yielding text as it is produced (one
         event per round, then any text held back to the end).
 
@@ -424,12 +478,13 @@ class Engine:
             stats: filled in as the request runs (counts, timings, acceptance).
             n_min: a proposal shorter than this is not verified (llama.cpp's ``--spec-draft-n-min``).
             constraint: a fresh :class:`~gemmaspec.grammar.Constraint`, or None (see :class:`RequestState`).
+            n_keep, n_discard: context shift settings, with ``context_shift`` (see :class:`RequestState`).
 
         Raises:
             InputError: empty or too long prompt, bad parameters, n_max out of range.
         """
         state = RequestState(self, prompt_ids, params, drafter, n_max, n_min, stats, cache=self.cache,
-                             constraint=constraint)
+                             constraint=constraint, n_keep=n_keep, n_discard=n_discard)
         yield from _merged(state.prefill())
         while not state.done:
             rnd = state.begin_round()

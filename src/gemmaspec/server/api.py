@@ -94,6 +94,8 @@ class ServeConfig:
     ui: bool = True
     tags: tuple[str, ...] = ()
     chat_template: str | None = None
+    context_shift: bool = False
+    n_keep: int = 0
 
 
 # -- the app -----------------------------------------------------------------------------------------
@@ -138,6 +140,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         t0 = time.perf_counter()
         path = Path(cfg.model) if cfg.model else default_model_path()
         engine = load_engine(path, ctx_size=cfg.ctx_size, device=cfg.device, threads=cfg.threads)
+        engine.context_shift = cfg.context_shift
         if cfg.chat_template is not None:
             engine.tokenizer.chat_template = cfg.chat_template
         spec, make = drafter_factory(cfg.spec_type, engine, cfg.draft_model, cfg.p_min, cfg.ngram_size,
@@ -390,7 +393,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     def params_for(req, max_tokens, default_max, max_n=1):
         e = info["engine"]
         default = cfg.n_predict if cfg.n_predict is not None else default_max
-        return sampling_params(req, max_tokens, e.ctx_size, default_max=default, defaults=cfg.defaults,
+        return sampling_params(req, max_tokens, None if cfg.context_shift else e.ctx_size, default_max=default,
+                               defaults=cfg.defaults,
                                tokenizer=e.tokenizer, max_n=max_n)
 
     @app.post("/v1/completions")
@@ -574,7 +578,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
 
     def _check_context(ids: list[int]) -> None:
         n_ctx = info["engine"].ctx_size
-        if len(ids) >= n_ctx:
+        if len(ids) >= n_ctx and not cfg.context_shift:  # with it, the prompt is cut (RequestState)
             raise APIError(400, f"request ({len(ids)} tokens) exceeds the available context size ({n_ctx} "
                                 f"tokens), try increasing it (gemmaspec serve -c)", "exceed_context_size_error",
                            n_prompt_tokens=len(ids), n_ctx=n_ctx)
@@ -606,7 +610,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         job = Job(ids, params, emit, n_max, n_min, logprobs, name=name, endpoint=kind, want_slot=want_slot,
                   cache_prompt=req.cache_prompt, constraint=constraint,
                   post_sampling=bool(getattr(req, "post_sampling_probs", False)),
-                  progress=req.return_progress and req.stream)
+                  progress=req.return_progress and req.stream,
+                  n_keep=cfg.n_keep if req.n_keep is None else req.n_keep, n_discard=req.n_discard)
         try:
             scheduler.submit(job)
         except RuntimeError as exc:

@@ -200,7 +200,7 @@ def serve(args) -> int:
                       defaults=defaults, n_predict=args.n_predict, allowed_hosts=hosts,
                       cors_origins=split(args.cors_origin), slot_save_path=slot_dir, verbose=args.verbose,
                       slots_endpoint=args.slots_endpoint, metrics_endpoint=args.metrics, ui=args.ui, tags=split([args.tags or ""]),
-                      chat_template=chat_template_of(args))
+                      chat_template=chat_template_of(args), context_shift=args.context_shift, n_keep=args.keep)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     socks: list[socket.socket] = []
     port = args.port

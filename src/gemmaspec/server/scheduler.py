@@ -59,6 +59,8 @@ class Job:
             (llama-server's ``post_sampling_probs``).
         progress: emit ``("progress", {"total", "cache", "processed", "time_ms"})`` before and after
             each prefill chunk (llama-server's ``return_progress``).
+        n_keep, n_discard: context shift settings (llama-server's; used with ``--context-shift``, see
+            :class:`~gemmaspec.engine.RequestState`).
     After it ends, ``stop_word`` is the stop string that ended it ("" if none) and ``cache_n`` the
     prompt tokens reused from the slot's cache (0: the whole prompt was prefilled).
     """
@@ -76,6 +78,8 @@ class Job:
     constraint: object = None
     post_sampling: bool = False
     progress: bool = False
+    n_keep: int = 0
+    n_discard: int = 0
     stop_word: str = ""
     cache_n: int = 0
     stats: RequestStats = field(default_factory=RequestStats)
@@ -308,7 +312,7 @@ class Scheduler:
         try:
             job.state = RequestState(self.engine, job.prompt_ids, job.params, s.drafter, job.n_max, job.n_min,
                                      job.stats, cache=s.cache, logprobs=job.logprobs, constraint=job.constraint,
-                                     post_sampling=job.post_sampling)
+                                     post_sampling=job.post_sampling, n_keep=job.n_keep, n_discard=job.n_discard)
             reuse = common_prefix(s.cached, job.prompt_ids) if job.cache_prompt else 0
             s.cached = []  # the cache changes from here on
             progress = None

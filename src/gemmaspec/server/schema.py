@@ -64,6 +64,8 @@ class GenerationRequest(BaseModel):
     return_progress: bool = False  # llama-server's: prompt-processing progress events in a stream
     verbose: bool = False  # llama-server's: the native result under "__verbose" (OpenAI endpoints)
     id_slot: int = -1  # llama-server's: run in this slot (-1: any)
+    n_keep: int | None = None  # llama-server's: prompt tokens kept by a context shift (-1: all; default --keep)
+    n_discard: int = 0  # llama-server's: tokens dropped per context shift (0: half)
 
 
 class CompletionRequest(GenerationRequest):
@@ -220,10 +222,11 @@ MAX_CHOICES = 16
 """Most choices (``n``) an OpenAI request may ask for."""
 
 
-def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int, default_max: int,
+def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int | None, default_max: int,
                     defaults: SamplingParams | None = None, tokenizer=None, max_n: int = 1) -> SamplingParams:
     """The request's :class:`SamplingParams`; unset fields take the server's defaults (``--temp``,
-    ``--seed``, ``-n``...). ``max_tokens`` -1 means until a stop or a full context. ``max_n``: the most
+    ``--seed``, ``-n``...). ``max_tokens`` -1 means until a stop or a full context; above ``ctx`` it is
+    refused (``ctx`` None: no bound, with context shift). ``max_n``: the most
     choices (``n``) the endpoint takes.
 
     Raises:
@@ -241,7 +244,7 @@ def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int, de
         pass
     elif max_tokens <= 0:
         raise APIError(400, f"max_tokens must be at least 1, or -1 for no limit (got {max_tokens})")
-    elif max_tokens > ctx:
+    elif ctx is not None and max_tokens > ctx:
         raise APIError(400, f"max_tokens ({max_tokens}) is above the context size ({ctx})")
     temp = d.temperature if req.temperature is None else req.temperature
     if not (math.isfinite(temp) and 0 <= temp <= 2):
@@ -703,7 +706,7 @@ class NativeFormatter:
                "tokens": tokens if self.return_tokens else [], "id_slot": job.slot, "stop": True,
                "model": self.model, "tokens_predicted": st.generated_tokens, "tokens_evaluated": st.prompt_tokens,
                "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": False,
-               "truncated": st.stop_reason == "context", "stop_type": STOP_TYPE.get(st.stop_reason, "none"),
+               "truncated": st.truncated or st.stop_reason == "context", "stop_type": STOP_TYPE.get(st.stop_reason, "none"),
                "stopping_word": job.stop_word, "tokens_cached": st.prompt_tokens + st.generated_tokens,
                "timings": _timings(job)}
         out["has_new_line"] = "\n" in out["content"]
