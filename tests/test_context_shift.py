@@ -136,3 +136,26 @@ def test_server_cuts_long_prompts_and_shifts(srv, path):
                                                    "n_keep": 1, "n_discard": 16}, timeout=300)
     assert r.status_code == 200, r.text
     assert r.json()["timings"]["predicted_n"] == 200 and r.json()["truncated"] is True
+
+
+def test_prompt_cache_reuse_is_checked_against_the_cut_prompt(srv):
+    """A slot's cached tokens are matched against the prompt the request runs (cut by the shift), not the
+    prompt it sent: a prompt that starts with a cached cut prompt but is itself cut must not reuse it."""
+    def tok(text):
+        return httpx.post(srv.url + "/tokenize", json={"content": text, "add_special": True}, timeout=60).json()["tokens"]
+
+    def gen(prompt, cache=True):
+        r = httpx.post(srv.url + "/completion", json={"prompt": prompt, "n_predict": 8, "cache_prompt": cache,
+                                                       "return_tokens": True}, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    p = tok("Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 30)
+    block = (128 - 1) // 2
+    cut_p = p[:1] + p[1 + (len(p) - 1 - block) // block * block:]
+    gen(p)  # a slot now holds cut(p) and its continuation
+    q = cut_p + tok("Sed ut perspiciatis unde omnis iste natus error sit voluptatem. " * 4)[1:]
+    assert len(q) >= 128
+    cut_q = q[:1] + q[1 + (len(q) - 1 - block) // block * block:]
+    assert cut_q[:8] != cut_p[:8]
+    assert gen(q) == gen(cut_q, cache=False)

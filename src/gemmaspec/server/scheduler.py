@@ -313,7 +313,8 @@ class Scheduler:
             job.state = RequestState(self.engine, job.prompt_ids, job.params, s.drafter, job.n_max, job.n_min,
                                      job.stats, cache=s.cache, logprobs=job.logprobs, constraint=job.constraint,
                                      post_sampling=job.post_sampling, n_keep=job.n_keep, n_discard=job.n_discard)
-            reuse = common_prefix(s.cached, job.prompt_ids) if job.cache_prompt else 0
+            # against the tokens the state runs (a context shift may have cut the prompt)
+            reuse = common_prefix(s.cached, job.state.tokens) if job.cache_prompt else 0
             s.cached = []  # the cache changes from here on
             progress = None
             if job.progress:
