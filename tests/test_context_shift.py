@@ -97,6 +97,22 @@ def test_a_prompt_that_does_not_fit_is_cut_as_llama_server_cuts_it(shifting, eng
         _run(Engine(engine.model, engine.tokenizer, CTX), ids, p)  # without --context-shift: refused
 
 
+def test_a_long_kept_head_is_capped_at_half_the_context(shifting):
+    """n_keep -1 with a prompt that fills the context would otherwise shift (and rebuild the cache) every
+    token or two: the head kept is at most half the context, so each shift frees a quarter or more."""
+    ids = shifting.tokenizer.encode("apples, pears, plums, figs, " * 12)
+    p = SamplingParams(temperature=0, max_tokens=2 * CTX, ignore_eos=True)
+    rebuilds = []
+    orig = shifting._prefill
+    shifting._prefill = lambda toks, *a, **k: (rebuilds.append(len(toks)), orig(toks, *a, **k))[1]
+    try:
+        got, st = _run(shifting, ids, p, n_keep=-1)
+    finally:
+        del shifting._prefill
+    assert len(got) == 2 * CTX and st.truncated
+    assert len(rebuilds) - 1 <= 2 * CTX // (CTX // 4)  # the prompt's prefill, then one per shift
+
+
 def test_bad_shift_settings_are_refused(shifting):
     ids = shifting.tokenizer.encode("hello")
     for kw, msg in (({"n_keep": -2}, "n_keep"), ({"n_discard": -1}, "n_discard")):
@@ -108,7 +124,7 @@ def test_cli_generate_with_context_shift(model_path):
     r = run_cli("generate", "-m", str(model_path), "-p", "Once upon a time", "-n", "40", "-c", "24", "--temp", "0",
                 "--ignore-eos", "--context-shift", "--json")
     assert r.returncode == 0, r.stderr
-    assert '"generated_tokens": 40' in r.stdout
+    assert '"generated_tokens": 40' in r.stdout and '"truncated": true' in r.stdout
     r = run_cli("generate", "-m", str(model_path), "-p", "Once upon a time", "-n", "40", "-c", "24", "--temp", "0",
                 "--ignore-eos", "--json")
     assert r.returncode == 0 and '"generated_tokens": 40' not in r.stdout  # stops at the context

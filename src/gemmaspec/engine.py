@@ -135,7 +135,8 @@ class RequestState:
             after them), and when generation fills the context ``n_discard`` tokens after the first
             ``n_keep`` are dropped (0: half of those after them), the cache is rebuilt from the tokens
             kept (a prefill: exact, where llama.cpp re-rotates its cached keys) and generation goes on;
-            ``stats.truncated`` says so. ``n_keep`` -1 keeps the whole prompt.
+            ``stats.truncated`` says so. ``n_keep`` -1 keeps the whole prompt; at most half the
+            context is kept (llama.cpp: all but 4 tokens, but its shift costs no prefill).
 
     Raises:
         InputError: empty or too long prompt (without context shift), bad parameters, n_max out of range.
@@ -154,7 +155,9 @@ class RequestState:
         bos = engine.tokenizer.bos_id
         lead = 1 if prompt_ids and prompt_ids[0] == bos else 0
         keep = len(prompt_ids) if n_keep == -1 else n_keep + lead
-        self.n_keep, self.n_discard = max(lead, min(keep, engine.ctx_size - 4)), n_discard
+        # at most half the context is kept, so a shift frees at least a quarter of it: each one rebuilds
+        # the cache (a prefill), and a head of nearly the whole context would shift every token or two
+        self.n_keep, self.n_discard = max(lead, min(keep, engine.ctx_size // 2)), n_discard
         self.shifted = 0  # tokens dropped by context shifts so far (positions for seeded draws stay absolute)
         truncated = False
         if self.shift and prompt_ids and len(prompt_ids) >= engine.ctx_size:

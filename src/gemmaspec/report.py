@@ -22,7 +22,7 @@ def stats_record(stats, load_s: float, spec_type: str, n_max) -> dict:
     Keys: ``prompt_tokens``, ``generated_tokens`` (ints); ``prefill_tps``, ``decode_tps`` (tokens/s;
     ``decode_tps`` is None below two generated tokens); ``prefill_ms``, ``decode_ms``, ``ttft_ms``
     (milliseconds); ``load_s`` (seconds: model load and preparation); ``stop_reason`` ("eos", "stop",
-    "length", "context"); ``seed``; ``spec_type``, ``n_max`` (int or "auto"); ``drafted``, ``accepted``
+    "length", "context"); ``truncated`` (a context shift cut the prompt or dropped tokens); ``seed``; ``spec_type``, ``n_max`` (int or "auto"); ``drafted``, ``accepted``
     (draft tokens), ``verify_steps``, ``acceptance_rate`` (accepted / drafted, 0 when none drafted) and
     ``mean_accepted_length`` (tokens per verify step, the target's own token included).
     """
@@ -33,7 +33,7 @@ def stats_record(stats, load_s: float, spec_type: str, n_max) -> dict:
         "decode_tps": round(stats.decode_tps, 3) if stats.generated_tokens >= 2 and stats.decode_ms > 0 else None,
         "prefill_ms": round(stats.prefill_ms, 3), "decode_ms": round(stats.decode_ms, 3),
         "ttft_ms": round(stats.ttft_ms, 3), "load_s": round(load_s, 4), "stop_reason": stats.stop_reason,
-        "seed": stats.seed, "spec_type": spec_type, "n_max": n_max, "drafted": sp.drafted, "accepted": sp.accepted,
+        "truncated": stats.truncated, "seed": stats.seed, "spec_type": spec_type, "n_max": n_max, "drafted": sp.drafted, "accepted": sp.accepted,
         "verify_steps": sp.steps, "acceptance_rate": round(sp.acceptance_rate, 5),
         "mean_accepted_length": round(sp.mean_accepted_length, 4),
     }
