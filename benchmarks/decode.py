@@ -9,6 +9,8 @@ through, the tied embedding/head once as the head, embedding row lookups left ou
 implies (bytes/step x decode tokens/s) and its fraction of the read bandwidth that a STREAM-like test
 measures on this machine (``common.read_bandwidth``: a float32 matrix-vector product over an array far
 larger than the caches, all threads; measured after the runs, with no busy process).
+And per model its memory (:func:`model_memory`): what loading it and generating adds to the RSS of the
+bare runtime, against its file size plus its KV cache at -c 4096.
 
 ``--load busy`` runs every decode with one competing busy process (``python -c 'while True: pass'``)
 that the script starts before the runs and stops after; ``--load both`` does the quiet runs, then the
@@ -76,6 +78,64 @@ def model_bytes(path) -> dict:
     del loaded
     gc.collect()
     return b
+
+
+_MEMORY_CHILD = r"""
+import gc, json, os, sys, time
+import torch
+import gemmaspec
+from gemmaspec.kernels import load_library
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+
+def mapped(path):  # resident bytes of this process's mappings of ``path``
+    total, cur = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            p = line.split()
+            if "-" in p[0] and len(p) >= 5 and ":" in p[3]:
+                cur = len(p) > 5 and p[5] == path
+            elif cur and p[0] == "Rss:":
+                total += int(p[1]) * 1024
+    return total
+
+from gemmaspec.loader import load_engine  # the bare runtime: every module imported, the kernel loaded,
+from gemmaspec.sampling import SamplingParams  # one small product run (its code pages), no model
+load_library()
+torch.ones(64, 64) @ torch.ones(64, 64)
+gc.collect()
+bare = rss()
+path, n, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+eng = load_engine(path, ctx_size=4096, device="cpu", threads=threads)
+after_load = rss()
+ids = eng.tokenizer.encode("def fibonacci(n):\n    ")
+list(eng.generate(ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+time.sleep(1.0)  # a background regroup still finishing puts its copy in use at the next product
+list(eng.generate(ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)))
+time.sleep(1.5)  # ... and releases the stored pages within 0.5 s
+kv = sum(t.nbytes for lk in eng.cache.layers if lk is not None for t in (lk.k, lk.v))
+print(json.dumps({"bare": bare, "after_load": after_load, "steady": rss(), "file": os.path.getsize(path),
+                  "file_resident": mapped(os.path.realpath(path)), "kv": kv}))
+"""
+
+
+def model_memory(path, threads: int, n: int = 64) -> dict:
+    """What the model adds to a process, in bytes (the issue's "model memory"): RSS after loading it and
+    generating ``n`` + 4 greedy tokens at -c 4096 (so lazily mapped weights are resident and a background
+    regroup has put its copies in use and released the stored pages), minus the RSS of the bare runtime
+    (torch and gemmaspec's modules imported, the C kernel loaded, one small product run, no model). Also the file size, the part
+    of the file resident in the process, and the KV cache's size (its pages are touched only as
+    positions fill, so the steady RSS holds only a little of it). Fresh process; Linux (/proc)."""
+    r = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(path), str(n), str(threads)], capture_output=True,
+                       text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"memory measurement failed: {r.stderr[-1000:]}")
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    d["added"] = d["steady"] - d["bare"]
+    d["ratio"] = d["added"] / (d["file"] + d["kv"])
+    return d
 
 
 def ours(model, prompt, n, threads, variant=(None, None)):
@@ -209,6 +269,7 @@ def main():
     # so this process loads the model and the bandwidth array only once every run is done
     bw = read_bandwidth(threads)
     steps = {m_name: model_bytes(m_path) for m_name, m_path in models.items()}
+    memory = {m_name: model_memory(m_path, threads) for m_name, m_path in models.items()}
     step = steps[os.path.basename(str(model))]
 
     m = machine()
@@ -223,7 +284,12 @@ def main():
              f"{threads} threads, {len(bw['passes_gbs'])} passes): best {bw['best_gbs']:.1f} GB/s, median "
              f"{bw['median_gbs']:.1f}. A process that only imports torch prints after {torch_s:.2f} s (median); "
              "subtract it from the cold start column for the time after `import torch`. 1-minute load average: "
-             + ", ".join(f"{k} {v:.2f}" for k, v in loads.items()) + " (shared machine: figures are noisy).", "",
+             + ", ".join(f"{k} {v:.2f}" for k, v in loads.items()) + " (shared machine: figures are noisy).",
+             "Model memory (RSS after loading and 68 greedy tokens at -c 4096, minus the bare runtime's "
+             f"{memory[os.path.basename(str(model))]['bare'] / 2**20:.0f} MiB): "
+             + "; ".join(f"{n} {d['added'] / 2**20:.0f} MiB = {d['ratio']:.2f}x (file {d['file'] / 2**20:.0f} MiB "
+                         f"+ KV cache {d['kv'] / 2**20:.1f} MiB), of which {d['file_resident'] / 2**20:.0f} MiB "
+                         "of the file mapped" for n, d in memory.items()) + ".", "",
              "| load | model | threads | prompt | engine | prompt tokens | prefill tok/s | decode tok/s "
              "| weights GB/s (of best read bw) | cold start → first token (s) | peak RSS (MB) | decode ours/llama.cpp |",
              "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -246,7 +312,7 @@ def main():
     write_results(a.out, {"machine": m, "settings": vars(a) | {"model": str(model), "threads": thread_list,
                                                               "models": {k: str(v) for k, v in models.items()}},
                              "llama_cpp_installed": py is not None, "bytes_per_step": steps,
-                             "read_bandwidth": bw, "loadavg": loads, "torch_import_s": torch_s, "runs": raw}, "\n".join(lines))
+                             "read_bandwidth": bw, "model_memory": memory, "loadavg": loads, "torch_import_s": torch_s, "runs": raw}, "\n".join(lines))
 
 
 if __name__ == "__main__":
