@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from common import machine, write_results
@@ -110,10 +111,34 @@ def child(target: str, assistant: str | None, ctx: int) -> dict:
     def hwm():
         return next(int(line.split()[1]) / 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
 
+    def settle(drafter=None):
+        """A few more tokens, twice, with pauses: a background regroup of the weights (the target's and the
+        assistant's) puts its copies in use at the next product and then releases the stored pages, so
+        the runs compare steady states rather than the moment each copy is done."""
+        for _ in range(2):
+            time.sleep(1.0)
+            list(engine.generate([engine.tokenizer.bos_id, 1000, 1001], params4, drafter=drafter,
+                                 n_max=2 if drafter else 0))
+
+    def resident(path):
+        """Resident MiB of this process's mappings of ``path``."""
+        total, cur = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                p = line.split()
+                if "-" in p[0] and len(p) >= 5 and ":" in p[3]:
+                    cur = len(p) > 5 and p[5] == path
+                elif cur and p[0] == "Rss:":
+                    total += int(p[1])
+        return total / 1024
+
+    params4 = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine = load_engine(target, ctx_size=ctx + 64, device="cpu", threads=2)
+    settle()
     target_mib = rss()
     drafter = load_drafter("draft-mtp", engine, assistant) if assistant else None
     loaded = rss()
+    held = sum(int(w.nbytes) for w in drafter.assistant.weights.values()) / 2**20 if drafter else 0.0
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS: the peak below is the generation's
     ids = [engine.tokenizer.bos_id] + [(i * 7919) % 200_000 + 1000 for i in range(ctx - 1)]
@@ -121,9 +146,12 @@ def child(target: str, assistant: str | None, ctx: int) -> dict:
     st = RequestStats()
     n = sum(len(ev.tokens) for ev in engine.generate(ids, params, drafter=drafter, n_max=2 if drafter else 0, stats=st))
     peak = hwm()
+    settle(drafter)
     return {"assistant": assistant, "ctx": ctx, "tokens": n, "drafted": st.spec.drafted, "accepted": st.spec.accepted,
             "rss_target_mib": target_mib, "rss_loaded_mib": loaded, "peak_generating_mib": peak, "rss_end_mib": rss(),
-            "file_mib": Path(assistant).stat().st_size / 2**20 if assistant else 0.0}
+            "file_mib": Path(assistant).stat().st_size / 2**20 if assistant else 0.0,
+            "weights_held_mib": held,
+            "file_resident_mib": resident(os.path.realpath(assistant)) if assistant else 0.0}
 
 
 def main():
@@ -161,7 +189,8 @@ def render(runs: dict, contexts: list) -> str:
             cells.append(f"{r['rss_loaded_mib'] - base['rss_loaded_mib']:.0f} / {r['rss_end_mib'] - base['rss_end_mib']:.0f}"
                          f" / {r['peak_generating_mib'] - base['peak_generating_mib']:.0f}")
         r0 = runs[(fmt, contexts[0])]
-        rows.append(f"| {fmt} ({FORMATS[fmt]}) | {r0['file_mib']:.0f} | " + " | ".join(cells) + " |")
+        held = f"{r0['weights_held_mib']:.0f}" if "weights_held_mib" in r0 else ""
+        rows.append(f"| {fmt} ({FORMATS[fmt]}) | {r0['file_mib']:.0f} | {held} | " + " | ".join(cells) + " |")
     base = " | ".join(f"{runs[('none', c)]['rss_loaded_mib']:.0f} / {runs[('none', c)]['rss_end_mib']:.0f} / "
                       f"{runs[('none', c)]['peak_generating_mib']:.0f}" for c in contexts)
     return "\n".join([
@@ -170,11 +199,14 @@ def render(runs: dict, contexts: list) -> str:
         "tokens after an L-token prompt, draft-mtp with n-max 2. Cells: MiB the assistant adds to the target's "
         "resident memory once loaded / after generating / to the peak while generating (live memory: freed heap "
         "returned with malloc_trim; the peak is reset after loading and includes transient buffers, so it varies "
-        "from run to run).", "",
-        "| assistant format | file MiB | " + " | ".join(f"added at L={c}" for c in contexts) + " |",
-        "|---|---:|" + "---:|" * len(contexts),
+        "from run to run). Each process first generates a few tokens and waits, twice, so that background "
+        "regroups are done and the stored pages released before it measures. Weights held: the bytes the "
+        "assistant's weights take as loaded (block-quantized matrices as stored, read from the mapped file as "
+        "rows are needed: the clustered head's rows of the clusters a draft step scores).", "",
+        "| assistant format | file MiB | weights held MiB | " + " | ".join(f"added at L={c}" for c in contexts) + " |",
+        "|---|---:|---:|" + "---:|" * len(contexts),
         *rows,
-        f"| (target alone, MiB) | | {base} |"])
+        f"| (target alone, MiB) | | | {base} |"])
 
 
 def rerender() -> None:
