@@ -102,9 +102,13 @@ def mapped(path):  # resident bytes of this process's mappings of ``path``
     return total
 
 from gemmaspec.loader import load_engine  # the bare runtime: every module imported, the kernel loaded,
-from gemmaspec.sampling import SamplingParams  # one small product run (its code pages), no model
+from gemmaspec.sampling import SamplingParams  # small tensor ops run (their code pages), no model
 load_library()
-torch.ones(64, 64) @ torch.ones(64, 64)
+x = torch.randn(24, 64)  # the ops a generation runs, on small tensors: their code pages belong to the runtime
+for y in (x @ x.T, torch.nn.functional.linear(x, x), torch.tanh(x), torch.nn.functional.gelu(x, approximate="tanh"),
+          torch.softmax(x, -1), torch.nn.functional.rms_norm(x, (64,)), torch.cat([x, x]), x.index_select(0, torch.arange(3)),
+          torch.topk(x, 4).values, x.argmax(-1).float(), torch.cumsum(x, -1), torch.sort(x).values, x.numpy().argmax()):
+    pass
 gc.collect()
 bare = rss()
 path, n, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -125,7 +129,8 @@ def model_memory(path, threads: int, n: int = 64) -> dict:
     """What the model adds to a process, in bytes (the issue's "model memory"): RSS after loading it and
     generating ``n`` + 4 greedy tokens at -c 4096 (so lazily mapped weights are resident and a background
     regroup has put its copies in use and released the stored pages), minus the RSS of the bare runtime
-    (torch and gemmaspec's modules imported, the C kernel loaded, one small product run, no model). Also the file size, the part
+    (torch and gemmaspec's modules imported, the C kernel loaded, the tensor ops a generation runs
+    run once on small tensors, so their code pages count as the runtime's; no model). Also the file size, the part
     of the file resident in the process, and the KV cache's size (its pages are touched only as
     positions fill, so the steady RSS holds only a little of it). Fresh process; Linux (/proc)."""
     r = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(path), str(n), str(threads)], capture_output=True,

@@ -212,6 +212,7 @@ def load_gguf(path: str | os.PathLike, use_cache: bool = True) -> LoadedModel:
     weights = {t.name: tensor_weight(header, t) for t in header.tensors}
     model = build_model(arch, config, weights, path)
     tokenizer = gguf_tokenizer(header, use_cache) if arch.role == "target" else None
+    header.release_header()
     release_freed_memory()
     return LoadedModel(path, arch, config, model, tokenizer)
 
