@@ -390,10 +390,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         return {"input_tokens": len(ids)}
 
     # -- generation ----------------------------------------------------------------------------------
-    def params_for(req, max_tokens, default_max, max_n=1):
+    def params_for(req, default_max, max_n=1):
         e = info["engine"]
         default = cfg.n_predict if cfg.n_predict is not None else default_max
-        return sampling_params(req, max_tokens, None if cfg.context_shift else e.ctx_size, default_max=default,
+        return sampling_params(req, None if cfg.context_shift else e.ctx_size, default_max=default,
                                defaults=cfg.defaults,
                                tokenizer=e.tokenizer, max_n=max_n)
 
@@ -404,7 +404,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         refuse_unsupported(body)
         req = validate(CompletionRequest, body)
         e = info["engine"]
-        params = params_for(req, req.max_tokens, 16, MAX_CHOICES)
+        params = params_for(req, 16, MAX_CHOICES)
         ids = completion_prompt(req.prompt, e)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError(400, f"logprobs must be in 0..20 (got {req.logprobs})")
@@ -427,8 +427,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         refuse_unsupported(body, native=True)
         req = validate(NativeCompletionRequest, body)
         e = info["engine"]
-        params = params_for(req, req.max_tokens, -1)
+        params = params_for(req, -1)
         prompts = native_prompts(req.prompt, e)
+        if body.get("n_probs") is None and req.logprobs is not None:  # llama-server's alias
+            req.n_probs = req.logprobs
         if not 0 <= req.n_probs <= 20:
             raise APIError(400, f"n_probs must be in 0..20 (got {req.n_probs})")
         check_slot(req)
@@ -503,8 +505,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         refuse_unsupported(body, chat=True)
         req = validate(ChatRequest, body)
         e = info["engine"]
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = params_for(req, max_tokens, -1, MAX_CHOICES)
+        params = params_for(req, -1, MAX_CHOICES)
         ids, spec = chat_ids(req, body)
         top = None
         if req.logprobs:

@@ -78,6 +78,7 @@ class NativeCompletionRequest(GenerationRequest):
 
     prompt: str | dict | list[int | str | dict | list[int | str]]
     n_probs: int = 0
+    logprobs: int | None = None  # llama-server's alias of n_probs (read when n_probs is not given)
     post_sampling_probs: bool = False
     response_fields: list[str] | None = None
     return_tokens: bool = False
@@ -222,11 +223,22 @@ MAX_CHOICES = 16
 """Most choices (``n``) an OpenAI request may ask for."""
 
 
-def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int | None, default_max: int,
+def token_limit(req: GenerationRequest) -> tuple[str, int | None]:
+    """``(field, value)`` of the request's token limit, as llama-server reads it: ``n_predict``, else
+    ``max_completion_tokens`` (chat), else ``max_tokens``; ``(..., None)`` when none is given."""
+    for name in ("n_predict", "max_completion_tokens", "max_tokens"):
+        v = getattr(req, name, None)
+        if v is not None:
+            return name, v
+    return "max_tokens", None
+
+
+def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
                     defaults: SamplingParams | None = None, tokenizer=None, max_n: int = 1) -> SamplingParams:
     """The request's :class:`SamplingParams`; unset fields take the server's defaults (``--temp``,
-    ``--seed``, ``-n``...). ``max_tokens`` -1 means until a stop or a full context; above ``ctx`` it is
-    refused (``ctx`` None: no bound, with context shift). ``max_n``: the most
+    ``--seed``, ``-n``...). The token limit is :func:`token_limit`'s: -1 means until a stop or a full
+    context, 0 runs the prompt only (into the slot's cache; llama-server's ``n_predict: 0``); above
+    ``ctx`` it is refused (``ctx`` None: no bound, with context shift). ``max_n``: the most
     choices (``n``) the endpoint takes.
 
     Raises:
@@ -236,16 +248,13 @@ def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int | N
         raise APIError(400, f"n must be in 1..{max_n} (got {req.n})" if max_n > 1 else
                        f"only n = 1 is supported here (got {req.n})")
     d = defaults or SamplingParams()
-    if max_tokens is None:
-        max_tokens = req.n_predict
+    name, max_tokens = token_limit(req)
     if max_tokens is None:
         max_tokens = default_max
-    elif max_tokens == -1:
-        pass
-    elif max_tokens <= 0:
-        raise APIError(400, f"max_tokens must be at least 1, or -1 for no limit (got {max_tokens})")
+    elif max_tokens < -1:
+        raise APIError(400, f"{name} must be at least 0, or -1 for no limit (got {max_tokens})")
     elif ctx is not None and max_tokens > ctx:
-        raise APIError(400, f"max_tokens ({max_tokens}) is above the context size ({ctx})")
+        raise APIError(400, f"{name} ({max_tokens}) is above the context size ({ctx})")
     temp = d.temperature if req.temperature is None else req.temperature
     if not (math.isfinite(temp) and 0 <= temp <= 2):
         raise APIError(400, f"temperature must be between 0 and 2 (got {temp})")
@@ -256,6 +265,14 @@ def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int | N
         v = getattr(req, name)
         if v is not None and not (math.isfinite(v) and -2 <= v <= 2):
             raise APIError(400, f"{name} must be between -2 and 2 (got {v})")
+    for name, ok, rule in (("top_k", lambda v: v >= 0, ">= 0 (0 disables it)"),
+                           ("min_p", lambda v: 0 <= v <= 1, "between 0 and 1 (0 disables it)"),
+                           ("repeat_penalty", lambda v: math.isfinite(v) and v > 0, "> 0 (1 disables it)"),
+                           ("repeat_last_n", lambda v: v >= 0, ">= 0 (0 disables it)"),
+                           ("seed", lambda v: v >= -1, ">= 0, or -1 for a random one")):
+        v = getattr(req, name)  # named as the request spells it (the library's messages use the flags')
+        if v is not None and not ok(v):
+            raise APIError(400, f"{name} must be {rule} (got {v})")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"too many stop strings: {len(stop)} (at most {MAX_STOP_STRINGS})")
