@@ -581,7 +581,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         n_ctx = info["engine"].ctx_size
         if len(ids) >= n_ctx and not cfg.context_shift:  # with it, the prompt is cut (RequestState)
             raise APIError(400, f"request ({len(ids)} tokens) exceeds the available context size ({n_ctx} "
-                                f"tokens), try increasing it (gemmaspec serve -c)", "exceed_context_size_error",
+                                f"tokens), try increasing it", "exceed_context_size_error",  # llama-server's words
                            n_prompt_tokens=len(ids), n_ctx=n_ctx)
 
     async def _submit(req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt, queue: asyncio.Queue,
