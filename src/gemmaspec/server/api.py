@@ -243,7 +243,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         st = job.stats if job else None
         p = job.params if job else None
         task = job or last
-        return {"id_task": task.name, "speculative": info["spec_type"] != "none",
+        return {"id_task": task.id_task, "speculative": info["spec_type"] != "none",
                 "params": settings(task.params, task.n_max, task.n_min),
                 "next_token": [{"has_next_token": job is not None, "has_new_line": False,  # a list, as llama-server's
                                 "n_remain": -1 if p is None or p.max_tokens == -1 else p.max_tokens - st.generated_tokens,
@@ -272,7 +272,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         if not cfg.slots_endpoint:
             raise APIError(501, "This server does not support slots endpoint (started with --no-slots)",
                            "not_supported_error")
-        return scheduler.slots_info(describe)
+        out = [{"speculative": info["spec_type"] != "none", **s} for s in scheduler.slots_info(describe)]
+        if request.query_params.get("fail_on_no_slot") and all(s["is_processing"] for s in out):
+            raise APIError(503, "no slot available", "unavailable_error")  # llama-server's ?fail_on_no_slot=1
+        return out
 
     @app.post("/slots/{id_slot}")
     async def slot_action(id_slot: str, request: Request):

@@ -724,7 +724,7 @@ class NativeFormatter:
                "model": self.model, "tokens_predicted": st.generated_tokens, "tokens_evaluated": st.prompt_tokens,
                "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": False,
                "truncated": st.truncated or st.stop_reason == "context", "stop_type": STOP_TYPE.get(st.stop_reason, "none"),
-               "stopping_word": job.stop_word, "tokens_cached": st.prompt_tokens + st.generated_tokens,
+               "stopping_word": job.stop_word, "tokens_cached": job.n_cached,
                "timings": _timings(job)}
         out["has_new_line"] = "\n" in out["content"]
         if self.n_probs and content is None:
