@@ -39,6 +39,12 @@ from .tools import parse_tools, render_history, tools_grammar, with_tools_prompt
 log = logging.getLogger("gemmaspec.server")
 
 PUBLIC_PATHS = {"/", "/health", "/v1/health", "/v1/models", "/models"}  # llama-server's public set + the page
+OFF_SAMPLERS = {"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
+                "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "mirostat": 0, "mirostat_tau": 5.0,
+                "mirostat_eta": 0.1, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2,
+                "dry_penalty_last_n": -1, "min_keep": 0}
+"""llama-server's ``generation_settings`` fields of the samplers gemmaspec does not run, at the values
+that turn them off (a request that sets one to another value gets a 400)."""
 
 
 def logit_bias_json(params: SamplingParams, stop_ids) -> list[dict]:
@@ -232,7 +238,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n,
                 "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
                 "frequency_penalty": p.frequency_penalty, "logit_bias": logit_bias_json(p, info["engine"].tokenizer.stop_ids),
-                "stop": list(p.stop), "ignore_eos": p.ignore_eos, "n_probs": 0,
+                **OFF_SAMPLERS, "stop": list(p.stop), "ignore_eos": p.ignore_eos, "n_probs": 0,
                 "samplers": ["logit_bias", "penalties", "top_k", "top_p", "min_p", "temperature"],
                 "speculative.n_max": cfg.n_max if n_max is None else n_max,
                 "speculative.n_min": cfg.n_min if n_min is None else n_min, "speculative.p_min": cfg.p_min}
