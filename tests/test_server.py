@@ -219,7 +219,7 @@ def _err(resp, status, *needles):
     ("/v1/chat/completions", b'{"messages": [{"role": "bot", "content": "hi"}]}', 400, "role must be"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "text"),
     ("/v1/completions", b'{"prompt": "x", "stop": [3]}', 400, "'stop'"),
-    ("/v1/completions", b'{"prompt": ["a", "b"]}', 400, "one prompt"),
+    ("/v1/completions", b'{"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i"], "n": 2}', 400, "choices"),
     ("/v1/completions", b'{"prompt": [999999999]}', 400, "vocabulary"),
     ("/v1/completions", b'{"prompt": "x", "seed": -7}', 400, "seed"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": -3}', 400, "max_tokens"),

@@ -169,8 +169,33 @@ def test_one_prompt_as_a_list_of_token_lists(srv):
     want = _post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}).json()["choices"][0]["text"]
     got = _post(srv, "/v1/completions", {"prompt": [ids], "max_tokens": 4}).json()
     assert got["choices"][0]["text"] == want and got["usage"]["prompt_tokens"] == len(ids)
-    r = _post(srv, "/v1/completions", {"prompt": [ids, ids], "max_tokens": 4})
-    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_several_prompts_on_v1_completions(srv, stream):
+    """OpenAI's batch: ``prompt`` a list of texts (or of id lists) answers one choice per prompt and
+    ``n``, prompt p's choices at indexes p*n .. p*n+n-1; usage counts each prompt once."""
+    prompts = [PROMPT, "The capital of France is"]
+    alone = [_post(srv, "/v1/completions", {"prompt": p, "max_tokens": 4}).json() for p in prompts]
+    body = {"prompt": prompts, "max_tokens": 4, "n": 2, "stream": stream}
+    r = _post(srv, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+        texts = {}
+        for e in events:
+            for c in e["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+        usage = [e["usage"] for e in events if e.get("usage")][-1]
+    else:
+        out = r.json()
+        texts, usage = {c["index"]: c["text"] for c in out["choices"]}, out["usage"]
+    want = [a["choices"][0]["text"] for a in alone]
+    assert texts == {0: want[0], 1: want[0], 2: want[1], 3: want[1]}  # temperature 0: the n choices agree
+    assert usage["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert usage["completion_tokens"] == sum(2 * a["usage"]["completion_tokens"] for a in alone)
+    r = _post(srv, "/v1/completions", {"prompt": ["a"] * 9, "n": 2, "max_tokens": 1})
+    assert r.status_code == 400 and "choices" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path,raw", [

@@ -31,7 +31,7 @@ from ..streaming import stop_matcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .scheduler import Job, Scheduler
 from .schema import (MAX_CHOICES, APIError, ChatRequest, chat_messages, CompletionRequest, Formatter, NativeCompletionRequest,
-                     NativeFormatter, completion_prompt, fingerprint, grammar_of, native_prompts, json_body, refuse_unsupported,
+                     NativeFormatter, completion_prompts, fingerprint, grammar_of, native_prompts, json_body, refuse_unsupported,
                      sampling_params, spec_overrides, sse, validate)
 from .security import MAX_BODY_BYTES, Guard, key_matches
 from .tools import parse_tools, render_history, tools_grammar, with_tools_prompt
@@ -414,17 +414,24 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         req = validate(CompletionRequest, body)
         e = info["engine"]
         params = params_for(req, 16, MAX_CHOICES)
-        ids = completion_prompt(req.prompt, e)
+        prompts = completion_prompts(req.prompt, e)
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts × n = {req.n} make {len(prompts) * req.n} choices (at most "
+                                f"{MAX_CHOICES})")
+        ids = prompts[0]
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError(400, f"logprobs must be in 0..20 (got {req.logprobs})")
         grammar = grammar_of(body)
         rid, usage, verbose = f"cmpl-{uuid.uuid4().hex[:24]}", _include_usage(req), verbose_formatter(req, params, ids)
         fmts = [Formatter("completions", rid, info["model_id"], e.tokenizer, req.logprobs, usage,
                           timings_per_token=req.timings_per_token, verbose=verbose if i == 0 else None, index=i)
-                for i in range(req.n)]
+                for i in range(len(prompts) * req.n)]
         check_slot(req)
-        if req.n > 1:
-            return await _generate_n(request, req, "completions", ids, params, req.logprobs, fmts, grammar)
+        if len(fmts) > 1:  # OpenAI's order: prompt p's n choices are p*n .. p*n + n-1
+            for p in prompts:  # all or none: check every prompt before any runs
+                _check_context(p)
+            return await _generate_n(request, req, "completions", [p for p in prompts for _ in range(req.n)], params,
+                                     req.logprobs, fmts, grammar)
         return await _generate(request, req, "completions", ids, params, req.logprobs, fmts[0], want_slot=req.id_slot,
                                grammar=grammar)
 
@@ -537,7 +544,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 for i in range(req.n)]
         check_slot(req)
         if req.n > 1:
-            return await _generate_n(request, req, "chat", ids, params, top, fmts, grammar)
+            return await _generate_n(request, req, "chat", [ids] * req.n, params, top, fmts, grammar)
         return await _generate(request, req, "chat", ids, params, top, fmts[0], want_slot=req.id_slot, grammar=grammar)
 
     def check_slot(req) -> None:
@@ -661,26 +668,29 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             watcher.cancel()
             scheduler.cancel(job)  # a no-op once the job is done
 
-    async def _generate_n(request: Request, req, kind: str, ids: list[int], params: SamplingParams, logprobs,
-                          fmts: list[Formatter], grammar):
-        """``n`` > 1 choices: one job each (in parallel as slots allow; a given seed S gives choice i
-        the seed S + i, so choices differ and repeat), merged into one response or one stream whose
-        chunks carry their choice's ``index``; usage counts the prompt once and every choice's tokens."""
+    async def _generate_n(request: Request, req, kind: str, prompts: list[list[int]], params: SamplingParams,
+                          logprobs, fmts: list[Formatter], grammar):
+        """Several choices (``n`` > 1, or several prompts on ``/v1/completions``): one job each, choice i
+        running ``prompts[i]`` (the same list object for the choices of one prompt), in parallel as
+        slots allow; a given seed S gives choice i the seed S + i, so choices differ and repeat. Merged
+        into one response or one stream whose chunks carry their choice's ``index``; usage counts each
+        prompt once and every choice's tokens."""
         each = [params if params.seed < 0 else replace(params, seed=params.seed + i) for i in range(len(fmts))]
         if req.stream:
             queue: asyncio.Queue = asyncio.Queue()
             jobs: list[Job] = []
             try:
                 for i, fmt in enumerate(fmts):
-                    jobs.append(await _submit(req, kind, ids, each[i], logprobs, fmt, queue, req.id_slot, grammar=grammar,
-                                              tag=i))
+                    jobs.append(await _submit(req, kind, prompts[i], each[i], logprobs, fmt, queue, req.id_slot,
+                                              grammar=grammar, tag=i))
             except BaseException:
                 for j in jobs:
                     scheduler.cancel(j)
                 raise
             return _JobStream(_multi_stream(queue, fmts, jobs), on_close=lambda: [scheduler.cancel(j) for j in jobs])
-        got = await asyncio.gather(*[_generate(request, req, kind, ids, each[i], logprobs, fmt, want_slot=req.id_slot,
-                                               grammar=grammar) for i, fmt in enumerate(fmts)], return_exceptions=True)
+        got = await asyncio.gather(*[_generate(request, req, kind, prompts[i], each[i], logprobs, fmt,
+                                               want_slot=req.id_slot, grammar=grammar) for i, fmt in enumerate(fmts)],
+                                   return_exceptions=True)
         for r in got:
             if isinstance(r, BaseException):
                 raise r
@@ -688,7 +698,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 return r
         out = got[0]
         out["choices"] = [r["choices"][0] for r in got]
-        prompt, done = out["usage"]["prompt_tokens"], sum(r["usage"]["completion_tokens"] for r in got)
+        prompt = sum({id(p): r["usage"]["prompt_tokens"] for p, r in zip(prompts, got)}.values())
+        done = sum(r["usage"]["completion_tokens"] for r in got)
         out["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         return out
 

@@ -399,6 +399,14 @@ def completion_prompt(prompt, engine) -> list[int]:
     return ids
 
 
+def completion_prompts(prompt, engine) -> list[list[int]]:
+    """The prompts of a ``/v1/completions`` request: OpenAI's list of several texts or of several
+    token-id lists is several prompts; anything else is one (:func:`completion_prompt`)."""
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        return [completion_prompt(p, engine) for p in prompt]
+    return [completion_prompt(prompt, engine)]
+
+
 def grammar_of(body: dict):
     """The constraint a request asks for, compiled: OpenAI's ``response_format`` (``json_object``,
     optionally with llama-server's ``schema``; ``json_schema`` with ``json_schema.schema``),
@@ -826,8 +834,10 @@ def _usage(job: Job) -> dict:
 
 
 def usage_of(jobs: list[Job]) -> dict:
-    """OpenAI's ``usage`` for the choices of one request (n > 1: the prompt counted once)."""
-    prompt, done = jobs[0].stats.prompt_tokens, sum(j.stats.generated_tokens for j in jobs)
+    """OpenAI's ``usage`` for the choices of one request (n > 1: each prompt counted once; the choices
+    of one prompt share its id list)."""
+    prompt = sum({id(j.prompt_ids): j.stats.prompt_tokens for j in jobs}.values())
+    done = sum(j.stats.generated_tokens for j in jobs)
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
