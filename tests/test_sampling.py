@@ -108,7 +108,7 @@ def test_draws_follow_the_distribution():
 
 @pytest.mark.parametrize("kw,msg", [
     ({"temperature": -1}, "temperature"), ({"top_p": 2}, "top-p"), ({"top_p": 0}, "top-p"),
-    ({"top_k": -1}, "top-k"), ({"min_p": 1.5}, "min-p"), ({"max_tokens": 0}, "tokens"),
+    ({"top_k": -1}, "top-k"), ({"min_p": 1.5}, "min-p"), ({"max_tokens": -2}, "tokens"),
     ({"repeat_penalty": 0}, "repeat-penalty"), ({"temperature": float("nan")}, "temperature"),
 ])
 def test_out_of_range_values(kw, msg):

@@ -263,6 +263,9 @@ def check_common(args) -> None:
 def _sampling_params(args):
     from .sampling import SamplingParams
 
+    if args.n_predict == 0:  # the library's "prompt only" has no use on the command line
+        raise InputError("the number of tokens to generate must be >= 1, or -1 for no limit (got 0)")
+
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                           max_tokens=args.n_predict, seed=args.seed, stop=tuple(s for s in args.stop if s),

@@ -227,11 +227,16 @@ class RequestState:
         if out is None:
             self.cancel()
             return []
+        st = self.stats
+        if self.params.max_tokens == 0:  # the prompt only: its KV is in the cache, nothing is generated
+            self._t1 = self._t_last = time.perf_counter()
+            st.prefill_ms = (self._t1 - t0) * 1e3
+            st.stop_reason, self.done = "length", True
+            return []
         mask = self.constraint.mask() if self.constraint is not None else None
         token = self.sampler.sample(out.logits[0], ids, pos=len(ids) + self.shifted, mask=mask)
         self.hidden = out.hidden[-1]
         self._t1 = self._t_last = time.perf_counter()
-        st = self.stats
         st.prefill_ms = st.ttft_ms = (self._t1 - t0) * 1e3
         text = self.stop.add(token)
         if text is None:

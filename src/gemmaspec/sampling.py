@@ -31,7 +31,8 @@ class SamplingParams:
         min_p: drop tokens below min_p × the top probability; 0 disables (``--min-p``).
         repeat_penalty: divide positive / multiply negative logits of recent tokens; 1 disables.
         repeat_last_n: how many recent tokens the penalty looks at.
-        max_tokens: most tokens to generate (``-n``); -1 means until a stop or the context is full.
+        max_tokens: most tokens to generate (``-n``); -1 means until a stop or the context is full; 0
+            runs the prompt only (into the cache; llama-server's ``n_predict: 0``).
         seed: random seed; -1 picks one (reported in the stats so a run can be repeated).
         stop: strings that end generation (not included in the output).
         ignore_eos: keep generating past EOS / end-of-turn (benchmarks), as llama.cpp's --ignore-eos.
@@ -68,8 +69,8 @@ class SamplingParams:
             (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0,
              f"repeat-penalty must be > 0 (got {self.repeat_penalty}; 1 disables it)"),
             (self.repeat_last_n >= 0, f"repeat-last-n must be >= 0 (got {self.repeat_last_n})"),
-            (self.max_tokens == -1 or self.max_tokens >= 1,
-             f"the number of tokens to generate must be >= 1, or -1 for no limit (got {self.max_tokens})"),
+            (self.max_tokens >= -1,
+             f"the number of tokens to generate must be >= 0, or -1 for no limit (got {self.max_tokens})"),
             (self.seed >= -1, f"seed must be >= 0, or -1 for a random one (got {self.seed})"),
             (math.isfinite(self.presence_penalty), f"presence penalty must be a finite number (got {self.presence_penalty})"),
             (math.isfinite(self.frequency_penalty),

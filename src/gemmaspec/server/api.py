@@ -31,7 +31,7 @@ from ..streaming import stop_matcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .scheduler import Job, Scheduler
 from .schema import (MAX_CHOICES, APIError, ChatRequest, chat_messages, CompletionRequest, Formatter, NativeCompletionRequest,
-                     NativeFormatter, completion_prompt, fingerprint, grammar_of, native_prompts, json_body, refuse_unsupported,
+                     NativeFormatter, completion_prompts, fingerprint, grammar_of, native_prompts, json_body, refuse_unsupported,
                      sampling_params, spec_overrides, sse, validate)
 from .security import MAX_BODY_BYTES, Guard, key_matches
 from .tools import parse_tools, render_history, tools_grammar, with_tools_prompt
@@ -39,6 +39,12 @@ from .tools import parse_tools, render_history, tools_grammar, with_tools_prompt
 log = logging.getLogger("gemmaspec.server")
 
 PUBLIC_PATHS = {"/", "/health", "/v1/health", "/v1/models", "/models"}  # llama-server's public set + the page
+OFF_SAMPLERS = {"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
+                "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "mirostat": 0, "mirostat_tau": 5.0,
+                "mirostat_eta": 0.1, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2,
+                "dry_penalty_last_n": -1, "min_keep": 0}
+"""llama-server's ``generation_settings`` fields of the samplers gemmaspec does not run, at the values
+that turn them off (a request that sets one to another value gets a 400)."""
 
 
 def logit_bias_json(params: SamplingParams, stop_ids) -> list[dict]:
@@ -232,7 +238,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n,
                 "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
                 "frequency_penalty": p.frequency_penalty, "logit_bias": logit_bias_json(p, info["engine"].tokenizer.stop_ids),
-                "stop": list(p.stop), "ignore_eos": p.ignore_eos, "n_probs": 0,
+                **OFF_SAMPLERS, "stop": list(p.stop), "ignore_eos": p.ignore_eos, "n_probs": 0,
                 "samplers": ["logit_bias", "penalties", "top_k", "top_p", "min_p", "temperature"],
                 "speculative.n_max": cfg.n_max if n_max is None else n_max,
                 "speculative.n_min": cfg.n_min if n_min is None else n_min, "speculative.p_min": cfg.p_min}
@@ -243,7 +249,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         st = job.stats if job else None
         p = job.params if job else None
         task = job or last
-        return {"id_task": task.name, "speculative": info["spec_type"] != "none",
+        return {"id_task": task.id_task, "speculative": info["spec_type"] != "none",
                 "params": settings(task.params, task.n_max, task.n_min),
                 "next_token": [{"has_next_token": job is not None, "has_new_line": False,  # a list, as llama-server's
                                 "n_remain": -1 if p is None or p.max_tokens == -1 else p.max_tokens - st.generated_tokens,
@@ -272,7 +278,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         if not cfg.slots_endpoint:
             raise APIError(501, "This server does not support slots endpoint (started with --no-slots)",
                            "not_supported_error")
-        return scheduler.slots_info(describe)
+        out = [{"speculative": info["spec_type"] != "none", **s} for s in scheduler.slots_info(describe)]
+        if request.query_params.get("fail_on_no_slot") and all(s["is_processing"] for s in out):
+            raise APIError(503, "no slot available", "unavailable_error")  # llama-server's ?fail_on_no_slot=1
+        return out
 
     @app.post("/slots/{id_slot}")
     async def slot_action(id_slot: str, request: Request):
@@ -390,10 +399,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         return {"input_tokens": len(ids)}
 
     # -- generation ----------------------------------------------------------------------------------
-    def params_for(req, max_tokens, default_max, max_n=1):
+    def params_for(req, default_max, max_n=1):
         e = info["engine"]
         default = cfg.n_predict if cfg.n_predict is not None else default_max
-        return sampling_params(req, max_tokens, None if cfg.context_shift else e.ctx_size, default_max=default,
+        return sampling_params(req, None if cfg.context_shift else e.ctx_size, default_max=default,
                                defaults=cfg.defaults,
                                tokenizer=e.tokenizer, max_n=max_n)
 
@@ -404,18 +413,25 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         refuse_unsupported(body)
         req = validate(CompletionRequest, body)
         e = info["engine"]
-        params = params_for(req, req.max_tokens, 16, MAX_CHOICES)
-        ids = completion_prompt(req.prompt, e)
+        params = params_for(req, 16, MAX_CHOICES)
+        prompts = completion_prompts(req.prompt, e)
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts × n = {req.n} make {len(prompts) * req.n} choices (at most "
+                                f"{MAX_CHOICES})")
+        ids = prompts[0]
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError(400, f"logprobs must be in 0..20 (got {req.logprobs})")
         grammar = grammar_of(body)
         rid, usage, verbose = f"cmpl-{uuid.uuid4().hex[:24]}", _include_usage(req), verbose_formatter(req, params, ids)
         fmts = [Formatter("completions", rid, info["model_id"], e.tokenizer, req.logprobs, usage,
                           timings_per_token=req.timings_per_token, verbose=verbose if i == 0 else None, index=i)
-                for i in range(req.n)]
+                for i in range(len(prompts) * req.n)]
         check_slot(req)
-        if req.n > 1:
-            return await _generate_n(request, req, "completions", ids, params, req.logprobs, fmts, grammar)
+        if len(fmts) > 1:  # OpenAI's order: prompt p's n choices are p*n .. p*n + n-1
+            for p in prompts:  # all or none: check every prompt before any runs
+                _check_context(p)
+            return await _generate_n(request, req, "completions", [p for p in prompts for _ in range(req.n)], params,
+                                     req.logprobs, fmts, grammar)
         return await _generate(request, req, "completions", ids, params, req.logprobs, fmts[0], want_slot=req.id_slot,
                                grammar=grammar)
 
@@ -427,8 +443,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         refuse_unsupported(body, native=True)
         req = validate(NativeCompletionRequest, body)
         e = info["engine"]
-        params = params_for(req, req.max_tokens, -1)
+        params = params_for(req, -1)
         prompts = native_prompts(req.prompt, e)
+        if body.get("n_probs") is None and req.logprobs is not None:  # llama-server's alias
+            req.n_probs = req.logprobs
         if not 0 <= req.n_probs <= 20:
             raise APIError(400, f"n_probs must be in 0..20 (got {req.n_probs})")
         check_slot(req)
@@ -503,8 +521,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         refuse_unsupported(body, chat=True)
         req = validate(ChatRequest, body)
         e = info["engine"]
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = params_for(req, max_tokens, -1, MAX_CHOICES)
+        params = params_for(req, -1, MAX_CHOICES)
         ids, spec = chat_ids(req, body)
         top = None
         if req.logprobs:
@@ -527,7 +544,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 for i in range(req.n)]
         check_slot(req)
         if req.n > 1:
-            return await _generate_n(request, req, "chat", ids, params, top, fmts, grammar)
+            return await _generate_n(request, req, "chat", [ids] * req.n, params, top, fmts, grammar)
         return await _generate(request, req, "chat", ids, params, top, fmts[0], want_slot=req.id_slot, grammar=grammar)
 
     def check_slot(req) -> None:
@@ -580,7 +597,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         n_ctx = info["engine"].ctx_size
         if len(ids) >= n_ctx and not cfg.context_shift:  # with it, the prompt is cut (RequestState)
             raise APIError(400, f"request ({len(ids)} tokens) exceeds the available context size ({n_ctx} "
-                                f"tokens), try increasing it (gemmaspec serve -c)", "exceed_context_size_error",
+                                f"tokens), try increasing it", "exceed_context_size_error",  # llama-server's words
                            n_prompt_tokens=len(ids), n_ctx=n_ctx)
 
     async def _submit(req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt, queue: asyncio.Queue,
@@ -651,26 +668,29 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             watcher.cancel()
             scheduler.cancel(job)  # a no-op once the job is done
 
-    async def _generate_n(request: Request, req, kind: str, ids: list[int], params: SamplingParams, logprobs,
-                          fmts: list[Formatter], grammar):
-        """``n`` > 1 choices: one job each (in parallel as slots allow; a given seed S gives choice i
-        the seed S + i, so choices differ and repeat), merged into one response or one stream whose
-        chunks carry their choice's ``index``; usage counts the prompt once and every choice's tokens."""
+    async def _generate_n(request: Request, req, kind: str, prompts: list[list[int]], params: SamplingParams,
+                          logprobs, fmts: list[Formatter], grammar):
+        """Several choices (``n`` > 1, or several prompts on ``/v1/completions``): one job each, choice i
+        running ``prompts[i]`` (the same list object for the choices of one prompt), in parallel as
+        slots allow; a given seed S gives choice i the seed S + i, so choices differ and repeat. Merged
+        into one response or one stream whose chunks carry their choice's ``index``; usage counts each
+        prompt once and every choice's tokens."""
         each = [params if params.seed < 0 else replace(params, seed=params.seed + i) for i in range(len(fmts))]
         if req.stream:
             queue: asyncio.Queue = asyncio.Queue()
             jobs: list[Job] = []
             try:
                 for i, fmt in enumerate(fmts):
-                    jobs.append(await _submit(req, kind, ids, each[i], logprobs, fmt, queue, req.id_slot, grammar=grammar,
-                                              tag=i))
+                    jobs.append(await _submit(req, kind, prompts[i], each[i], logprobs, fmt, queue, req.id_slot,
+                                              grammar=grammar, tag=i))
             except BaseException:
                 for j in jobs:
                     scheduler.cancel(j)
                 raise
             return _JobStream(_multi_stream(queue, fmts, jobs), on_close=lambda: [scheduler.cancel(j) for j in jobs])
-        got = await asyncio.gather(*[_generate(request, req, kind, ids, each[i], logprobs, fmt, want_slot=req.id_slot,
-                                               grammar=grammar) for i, fmt in enumerate(fmts)], return_exceptions=True)
+        got = await asyncio.gather(*[_generate(request, req, kind, prompts[i], each[i], logprobs, fmt,
+                                               want_slot=req.id_slot, grammar=grammar) for i, fmt in enumerate(fmts)],
+                                   return_exceptions=True)
         for r in got:
             if isinstance(r, BaseException):
                 raise r
@@ -678,7 +698,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 return r
         out = got[0]
         out["choices"] = [r["choices"][0] for r in got]
-        prompt, done = out["usage"]["prompt_tokens"], sum(r["usage"]["completion_tokens"] for r in got)
+        prompt = sum({id(p): r["usage"]["prompt_tokens"] for p, r in zip(prompts, got)}.values())
+        done = sum(r["usage"]["completion_tokens"] for r in got)
         out["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         return out
 

@@ -53,7 +53,9 @@ class Job:
         endpoint: ``completions``, ``chat`` or ``completion`` (llama-server's native; a metrics label).
         want_slot: run only in this slot (llama-server's ``id_slot``); -1 for any.
         cache_prompt: reuse the KV of the longest prefix a free slot already holds (llama-server's
-            ``cache_prompt``); the request goes to the free slot holding the longest one.
+            ``cache_prompt``); the request goes to the free slot holding the longest one when it counts
+            (:func:`pick_slot`), else (and without ``cache_prompt``) to the least recently used free
+            slot, so another user's cached conversation is not evicted for a few shared template tokens.
         constraint: None, or a fresh :class:`~gemmaspec.grammar.Constraint` the output must follow.
         post_sampling: with ``logprobs``, probabilities in the sampling distribution instead
             (llama-server's ``post_sampling_probs``).
@@ -61,8 +63,10 @@ class Job:
             each prefill chunk (llama-server's ``return_progress``).
         n_keep, n_discard: context shift settings (llama-server's; used with ``--context-shift``, see
             :class:`~gemmaspec.engine.RequestState`).
-    After it ends, ``stop_word`` is the stop string that ended it ("" if none) and ``cache_n`` the
-    prompt tokens reused from the slot's cache (0: the whole prompt was prefilled).
+    After it ends, ``stop_word`` is the stop string that ended it ("" if none), ``cache_n`` the
+    prompt tokens reused from the slot's cache (0: the whole prompt was prefilled) and ``n_cached``
+    the tokens whose KV the slot keeps (llama-server's ``tokens_cached``: the prompt and the reply but
+    its last token, which was never run).
     """
 
     prompt_ids: list[int]
@@ -82,6 +86,8 @@ class Job:
     n_discard: int = 0
     stop_word: str = ""
     cache_n: int = 0
+    n_cached: int = 0
+    id_task: int = -1  # a number, as llama-server's /slots shows it (given at submit)
     stats: RequestStats = field(default_factory=RequestStats)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first: float | None = None  # first token handed to emit (perf_counter seconds)
@@ -105,6 +111,25 @@ class Slot:
     served: int = 0  # requests completed in this slot
     last: Job | None = None  # the last request it finished (llama-server's task_prev)
     cached: list = field(default_factory=list)  # the ids whose KV the cache holds (positions 0..)
+    last_used: float = 0.0  # when its last request ended (perf_counter; 0: never)
+
+
+SLOT_SIMILARITY = 0.1
+"""Share of a prompt a free slot's kept tokens must cover for the request to go there (llama-server's
+``--slot-prompt-similarity`` default)."""
+
+
+def pick_slot(free: list["Slot"], prompt: list[int], cache_prompt: bool) -> "Slot":
+    """The free slot a request runs in: the one whose kept tokens share the longest prefix with
+    ``prompt``, if that prefix covers more than :data:`SLOT_SIMILARITY` of the prompt (llama-server's
+    rule) and at least half of what the slot keeps (the request reuses as much as it throws away:
+    another conversation that shares only the chat template's head is not evicted); else the least
+    recently used free slot (one never used first)."""
+    if cache_prompt and prompt:
+        n, best = max(((common_prefix(f.cached, prompt), f) for f in free), key=lambda x: x[0])
+        if n > SLOT_SIMILARITY * len(prompt) and 2 * n >= len(best.cached):
+            return best
+    return min(free, key=lambda f: f.last_used)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -172,7 +197,8 @@ class Scheduler:
         with self._cond:
             if self._stop:
                 raise RuntimeError("the server is shutting down")
-            job.name = job.name or f"req-{next(_ids)}"
+            job.id_task = next(_ids)
+            job.name = job.name or f"req-{job.id_task}"
             self._queue.append(job)
             self._cond.notify_all()
 
@@ -241,7 +267,10 @@ class Scheduler:
                     "is_processing": j is not None,
                     "request": j.name if j else None,
                     "n_ctx": self.engine.ctx_size,
+                    "n_past": s.cache.length if j else len(s.cached),  # tokens whose KV it holds
                     "n_prompt_tokens": st.prompt_tokens if st else 0,
+                    "n_prompt_tokens_cache": j.cache_n if j else 0,
+                    "n_prompt_tokens_processed": st.prompt_tokens - j.cache_n if st else 0,
                     "n_decoded": st.generated_tokens if st else 0,
                     "draft_n": st.spec.drafted if st else 0,
                     "draft_n_accepted": st.spec.accepted if st else 0,
@@ -284,9 +313,7 @@ class Scheduler:
                 for job in list(self._queue):  # arrival order; a job waiting for its slot lets others pass
                     free = [s for s in self.slots if s.job is None and job.want_slot in (-1, s.index)]
                     if free:
-                        s = free[0]
-                        if job.cache_prompt and len(free) > 1:  # the slot holding the longest prefix
-                            s = max(free, key=lambda f: common_prefix(f.cached, job.prompt_ids))
+                        s = pick_slot(free, job.prompt_ids, job.cache_prompt)
                         self._queue.remove(job)
                         s.job, job.slot = job, s.index
                         admit.append(s)
@@ -386,7 +413,8 @@ class Scheduler:
         if job.state is not None:
             job.stop_word = job.state.stop.word
             s.cached = job.state.tokens[:s.cache.length]
-        job.t_done = time.perf_counter()
+            job.n_cached = len(s.cached)
+        job.t_done = s.last_used = time.perf_counter()
         with self._cond:
             s.job = None
             s.served += 1
@@ -403,7 +431,7 @@ class Scheduler:
     def _fail(self, s: Slot, message: str, status: int = 500) -> None:
         job = s.job
         s.cached = []
-        job.t_done = time.perf_counter()
+        job.t_done = s.last_used = time.perf_counter()
         with self._cond:
             s.job = None
         if self.metrics is not None:

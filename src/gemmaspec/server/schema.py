@@ -69,7 +69,7 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]  # OpenAI's four forms
     logprobs: int | None = None
 
 
@@ -78,6 +78,7 @@ class NativeCompletionRequest(GenerationRequest):
 
     prompt: str | dict | list[int | str | dict | list[int | str]]
     n_probs: int = 0
+    logprobs: int | None = None  # llama-server's alias of n_probs (read when n_probs is not given)
     post_sampling_probs: bool = False
     response_fields: list[str] | None = None
     return_tokens: bool = False
@@ -105,6 +106,11 @@ def _set(v) -> bool:
     return v not in (None, False, "", [], {})
 
 
+def _below(limit):
+    """Refuse a value that is not a number below ``limit`` (a sampler on at ``limit`` and above)."""
+    return lambda v: v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v < limit)
+
+
 UNSUPPORTED = {
     "tools": (_set, "tool calls are supported on /v1/chat/completions only"),
     "functions": (_set, "function calling is not supported"),
@@ -122,6 +128,34 @@ UNSUPPORTED = {
     "n_probs": (lambda v: v not in (None, 0), "n_probs belongs to /completion; use logprobs here"),
     "post_sampling_probs": (_set, "post_sampling_probs belongs to /completion (with n_probs); logprobs here are the "
                                   "model's"),
+    "top_n_sigma": (_below(0), "top-n-sigma sampling is not supported (a negative value turns it off)"),
+    "min_keep": (lambda v: v not in (None, 0, 1), "min_keep is not supported (the filters keep at least one token)"),
+    "n_indent": (lambda v: v not in (None, 0), "n_indent (stopping on indentation) is not supported"),
+    "t_max_predict_ms": (_below(1), "t_max_predict_ms (a time limit) is not supported; use max_tokens"),
+    "adaptive_target": (_below(0), "adaptive sampling is not supported (a negative value turns it off)"),
+    "n_cmpl": (lambda v: v not in (None, 1), "n_cmpl is not supported: use n on /v1/completions or "
+                                             "/v1/chat/completions, or several prompts on /completion"),
+    "grammar_lazy": (_set, "lazy grammars (grammar_triggers) are not supported: the grammar applies from "
+                           "the first token"),
+    "grammar_triggers": (_set, "lazy grammars (grammar_triggers) are not supported"),
+    "tfs_z": (lambda v: v not in (None, 1, 1.0), "tail-free sampling is not supported"),
+    "top_a": (lambda v: v not in (None, 0, 0.0), "top-a sampling is not supported"),
+    "repetition_penalty": (lambda v: v not in (None, 1, 1.0), "vLLM's repetition_penalty is not supported: use "
+                                                              "repeat_penalty (llama.cpp's, over repeat_last_n tokens)"),
+    "min_tokens": (lambda v: v not in (None, 0), "min_tokens is not supported"),
+    "stop_token_ids": (_set, "stop_token_ids is not supported: use stop strings, or logit_bias to ban tokens"),
+    "include_stop_str_in_output": (_set, "include_stop_str_in_output is not supported (stop strings are never "
+                                         "part of the output, as in llama-server)"),
+    "use_beam_search": (_set, "beam search is not supported"),
+    "length_penalty": (lambda v: v not in (None, 1, 1.0), "length_penalty (beam search) is not supported"),
+    "prompt_logprobs": (_set, "prompt log-probabilities are not supported"),
+    "guided_json": (_set, "vLLM's guided decoding is not supported here: use json_schema or response_format"),
+    "guided_regex": (_set, "vLLM's guided decoding is not supported here: use grammar (GBNF)"),
+    "guided_choice": (_set, "vLLM's guided decoding is not supported here: use grammar (GBNF)"),
+    "guided_grammar": (_set, "vLLM's guided decoding is not supported here: use grammar (GBNF)"),
+    "structured_outputs": (_set, "vLLM's structured_outputs is not supported here: use response_format, "
+                                 "json_schema or grammar"),
+    "web_search_options": (_set, "web search is not supported"),
     "lora": (_set, "LoRA adapters are not supported"),
     "audio": (_set, "audio output is not supported"),
     "modalities": (lambda v: v not in (None, ["text"]), "only text output is supported"),
@@ -139,9 +173,21 @@ def refuse_unsupported(body: dict, native: bool = False, chat: bool = False) -> 
             raise APIError(400, f"'{name}' is not supported by gemmaspec: {why} (drop the field)")
 
 
+def _has_bool(v, depth: int = 0) -> bool:
+    return isinstance(v, bool) or depth < 3 and isinstance(v, list) and any(_has_bool(x, depth + 1) for x in v)
+
+
 def validate(model_cls, body: dict):
+    """The request body as ``model_cls``; a field given as ``null`` counts as left out (OpenAI's
+    fields are nullable, and llama-server treats null as absent), so it takes its default.
+
+    Raises:
+        APIError: 400 naming the first missing or invalid field.
+    """
+    if _has_bool(body.get("prompt")):  # pydantic would read true as token id 1
+        raise APIError(400, "invalid value for 'prompt': true and false are not token ids")
     try:
-        return model_cls.model_validate(body)
+        return model_cls.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"][:1]) or "body"
@@ -163,11 +209,34 @@ def _depth_ok(obj, limit: int) -> bool:
     return True
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(obj) -> str | None:
+    """Where in ``obj`` a string (or key) holds a lone surrogate (`` at 'a.b'``), or None."""
+    stack = [(obj, "")]
+    while stack:
+        o, path = stack.pop()
+        if isinstance(o, str):
+            if _SURROGATE.search(o):
+                return f" at '{path.lstrip('.')}'" if path else ""
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                if _SURROGATE.search(k):
+                    return f" (a key) at '{path.lstrip('.')}'" if path else " (a key)"
+                stack.append((v, f"{path}.{k}"))
+        elif isinstance(o, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(o))
+    return None
+
+
 async def json_body(request: Request) -> dict:
     """The request body as a JSON object.
 
     Raises:
-        APIError: 400 for a body that is not JSON, not an object, or nested deeper than ``MAX_JSON_DEPTH``.
+        APIError: 400 for a body that is not JSON, not an object, nested deeper than ``MAX_JSON_DEPTH``,
+            or holding a lone surrogate (``"\\ud800"``: Python reads it, no tokenizer or encoder can).
     """
     raw = await request.body()
     try:
@@ -179,6 +248,11 @@ async def json_body(request: Request) -> dict:
     if body is None and raw.strip() != b"null" or not _depth_ok(body, MAX_JSON_DEPTH):
         raise APIError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels of arrays "
                             "and objects)")
+    if _SURROGATE_ESCAPE.search(raw):  # only an escape can carry one: raw UTF-8 cannot
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise APIError(400, f"the request body is not valid Unicode: a string{where} holds a lone UTF-16 "
+                                "surrogate (\\ud800-\\udfff escape without its pair)")
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
@@ -222,11 +296,22 @@ MAX_CHOICES = 16
 """Most choices (``n``) an OpenAI request may ask for."""
 
 
-def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int | None, default_max: int,
+def token_limit(req: GenerationRequest) -> tuple[str, int | None]:
+    """``(field, value)`` of the request's token limit, as llama-server reads it: ``n_predict``, else
+    ``max_completion_tokens`` (chat), else ``max_tokens``; ``(..., None)`` when none is given."""
+    for name in ("n_predict", "max_completion_tokens", "max_tokens"):
+        v = getattr(req, name, None)
+        if v is not None:
+            return name, v
+    return "max_tokens", None
+
+
+def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
                     defaults: SamplingParams | None = None, tokenizer=None, max_n: int = 1) -> SamplingParams:
     """The request's :class:`SamplingParams`; unset fields take the server's defaults (``--temp``,
-    ``--seed``, ``-n``...). ``max_tokens`` -1 means until a stop or a full context; above ``ctx`` it is
-    refused (``ctx`` None: no bound, with context shift). ``max_n``: the most
+    ``--seed``, ``-n``...). The token limit is :func:`token_limit`'s: -1 means until a stop or a full
+    context, 0 runs the prompt only (into the slot's cache; llama-server's ``n_predict: 0``); above
+    ``ctx`` it is refused (``ctx`` None: no bound, with context shift). ``max_n``: the most
     choices (``n``) the endpoint takes.
 
     Raises:
@@ -236,16 +321,13 @@ def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int | N
         raise APIError(400, f"n must be in 1..{max_n} (got {req.n})" if max_n > 1 else
                        f"only n = 1 is supported here (got {req.n})")
     d = defaults or SamplingParams()
-    if max_tokens is None:
-        max_tokens = req.n_predict
+    name, max_tokens = token_limit(req)
     if max_tokens is None:
         max_tokens = default_max
-    elif max_tokens == -1:
-        pass
-    elif max_tokens <= 0:
-        raise APIError(400, f"max_tokens must be at least 1, or -1 for no limit (got {max_tokens})")
+    elif max_tokens < -1:
+        raise APIError(400, f"{name} must be at least 0, or -1 for no limit (got {max_tokens})")
     elif ctx is not None and max_tokens > ctx:
-        raise APIError(400, f"max_tokens ({max_tokens}) is above the context size ({ctx})")
+        raise APIError(400, f"{name} ({max_tokens}) is above the context size ({ctx})")
     temp = d.temperature if req.temperature is None else req.temperature
     if not (math.isfinite(temp) and 0 <= temp <= 2):
         raise APIError(400, f"temperature must be between 0 and 2 (got {temp})")
@@ -256,6 +338,14 @@ def sampling_params(req: GenerationRequest, max_tokens: int | None, ctx: int | N
         v = getattr(req, name)
         if v is not None and not (math.isfinite(v) and -2 <= v <= 2):
             raise APIError(400, f"{name} must be between -2 and 2 (got {v})")
+    for name, ok, rule in (("top_k", lambda v: v >= 0, ">= 0 (0 disables it)"),
+                           ("min_p", lambda v: 0 <= v <= 1, "between 0 and 1 (0 disables it)"),
+                           ("repeat_penalty", lambda v: math.isfinite(v) and v > 0, "> 0 (1 disables it)"),
+                           ("repeat_last_n", lambda v: v >= 0, ">= 0 (0 disables it)"),
+                           ("seed", lambda v: v >= -1, ">= 0, or -1 for a random one")):
+        v = getattr(req, name)  # named as the request spells it (the library's messages use the flags')
+        if v is not None and not ok(v):
+            raise APIError(400, f"{name} must be {rule} (got {v})")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"too many stop strings: {len(stop)} (at most {MAX_STOP_STRINGS})")
@@ -281,13 +371,13 @@ def completion_prompt(prompt, engine) -> list[int]:
     """Token ids of a completion prompt: text (special-token spellings such as ``<start_of_turn>``
     become those tokens, as in llama-server; BOS added when the model wants one and the text does not
     start with it), token ids (used as given), or llama-server's mix of both (BOS added when the first
-    element is text).
+    element is text). A list of one prompt (OpenAI's ``["text"]`` or ``[[ids]]``) is that prompt.
 
     Raises:
         APIError: 400 for several prompts, an id outside the vocabulary, or an empty prompt.
     """
     tok = engine.tokenizer
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:
             raise APIError(400, f"one prompt per request is supported (got {len(prompt)})")
         prompt = prompt[0]
@@ -307,6 +397,14 @@ def completion_prompt(prompt, engine) -> list[int]:
     if not ids:
         raise APIError(400, "the prompt is empty")
     return ids
+
+
+def completion_prompts(prompt, engine) -> list[list[int]]:
+    """The prompts of a ``/v1/completions`` request: OpenAI's list of several texts or of several
+    token-id lists is several prompts; anything else is one (:func:`completion_prompt`)."""
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        return [completion_prompt(p, engine) for p in prompt]
+    return [completion_prompt(prompt, engine)]
 
 
 def grammar_of(body: dict):
@@ -338,8 +436,8 @@ def grammar_of(body: dict):
     try:
         if field == "grammar":
             return gbnf_grammar(body["grammar"], "grammar")
-        if field == "json_schema":
-            return json_schema_grammar(body["json_schema"], "json_schema")
+        if field == "json_schema":  # an empty schema means any object, as llama-server reads it
+            return json_schema_grammar(body["json_schema"] or {"type": "object"}, "json_schema")
         if rf["type"] == "json_object":
             return json_schema_grammar(rf.get("schema") or {"type": "object"}, "response_format")
         js = rf.get("json_schema")
@@ -349,7 +447,7 @@ def grammar_of(body: dict):
         if schema is None:
             raise APIError(400, "invalid 'response_format': type json_schema needs json_schema.schema "
                                 "(the JSON schema the reply must follow)")
-        return json_schema_grammar(schema, "response_format")
+        return json_schema_grammar(schema or {"type": "object"}, "response_format")
     except GrammarError as exc:
         raise APIError(400, str(exc)) from None
 
@@ -445,7 +543,9 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content[{j}].text must be a string")
+                if part.get("type") != "text":
                     kind = part.get("type") or "untyped"
                     raise APIError(400, f"messages[{i}].content[{j}]: '{kind}' parts are not supported by gemmaspec "
                                         "(a text-only model): only text content parts")
@@ -707,7 +807,7 @@ class NativeFormatter:
                "model": self.model, "tokens_predicted": st.generated_tokens, "tokens_evaluated": st.prompt_tokens,
                "generation_settings": self.settings, "prompt": self.prompt, "has_new_line": False,
                "truncated": st.truncated or st.stop_reason == "context", "stop_type": STOP_TYPE.get(st.stop_reason, "none"),
-               "stopping_word": job.stop_word, "tokens_cached": st.prompt_tokens + st.generated_tokens,
+               "stopping_word": job.stop_word, "tokens_cached": job.n_cached,
                "timings": _timings(job)}
         out["has_new_line"] = "\n" in out["content"]
         if self.n_probs and content is None:
@@ -734,8 +834,10 @@ def _usage(job: Job) -> dict:
 
 
 def usage_of(jobs: list[Job]) -> dict:
-    """OpenAI's ``usage`` for the choices of one request (n > 1: the prompt counted once)."""
-    prompt, done = jobs[0].stats.prompt_tokens, sum(j.stats.generated_tokens for j in jobs)
+    """OpenAI's ``usage`` for the choices of one request (n > 1: each prompt counted once; the choices
+    of one prompt share its id list)."""
+    prompt = sum({id(j.prompt_ids): j.stats.prompt_tokens for j in jobs}.values())
+    done = sum(j.stats.generated_tokens for j in jobs)
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 

@@ -82,7 +82,9 @@ def parse_tools(body: dict) -> ToolSpec | None:
             raise APIError(400, f"invalid 'tools[{i}].function.name': 1-64 letters, digits, _ . - (got {name!r})")
         if name in out:
             raise APIError(400, f"invalid 'tools[{i}].function.name': {name!r} is given twice")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+        params = fn.get("parameters")
+        if params is None:  # left out or null: no arguments
+            params = {"type": "object", "properties": {}}
         try:
             json_schema_grammar(params, f"tools[{i}].function.parameters")
         except GrammarError as exc:
