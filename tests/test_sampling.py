@@ -28,6 +28,7 @@ def test_top_p_keeps_smallest_set_reaching_p():
     assert kept(SamplingParams(temperature=1, top_k=0, top_p=0.7, min_p=0))[0] == [1, 3]
     assert kept(SamplingParams(temperature=1, top_k=0, top_p=0.71, min_p=0))[0] == [1, 3, 4]
     assert kept(SamplingParams(temperature=1, top_k=0, top_p=0.01, min_p=0))[0] == [1]
+    assert kept(SamplingParams(temperature=1, top_k=0, top_p=0, min_p=0))[0] == [1]  # 0: the most likely, as llama.cpp
 
 
 def test_min_p_is_relative_to_the_top_token():
@@ -107,7 +108,7 @@ def test_draws_follow_the_distribution():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 2}, "top-p"), ({"top_p": 0}, "top-p"),
+    ({"temperature": -1}, "temperature"), ({"top_p": 2}, "top-p"), ({"top_p": -0.1}, "top-p"),
     ({"top_k": -1}, "top-k"), ({"min_p": 1.5}, "min-p"), ({"max_tokens": -2}, "tokens"),
     ({"repeat_penalty": 0}, "repeat-penalty"), ({"temperature": float("nan")}, "temperature"),
 ])

@@ -228,7 +228,7 @@ def _err(resp, status, *needles):
     ("/v1/completions", b'{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
     ("/v1/completions", b'{"prompt": "x", "temperature": 2.5}', 400, "temperature"),
     ("/v1/completions", b'{"prompt": "x", "temperature": "hot"}', 400, "temperature"),
-    ("/v1/completions", b'{"prompt": "x", "top_p": 0}', 400, "top_p"),
+    ("/v1/completions", b'{"prompt": "x", "top_p": -0.1}', 400, "top_p"),
     ("/v1/completions", b'{"prompt": "x", "top_p": 1.5}', 400, "top_p"),
     ("/v1/completions", b'{"prompt": "x", "n": 17}', 400, "n must be in 1..16"),
     ("/v1/completions", b'{"prompt": "x", "speculative.n_max": 999}', 400, "speculative.n_max"),

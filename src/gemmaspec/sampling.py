@@ -27,7 +27,8 @@ class SamplingParams:
     Attributes:
         temperature: 0 for greedy, else > 0 (``--temp``).
         top_k: keep the k most likely tokens; 0 disables (``--top-k``).
-        top_p: keep the smallest set whose probability reaches p; 1 disables (``--top-p``).
+        top_p: keep the smallest set whose probability reaches p (at least one token: 0 keeps the most
+            likely); 1 disables (``--top-p``).
         min_p: drop tokens below min_p × the top probability; 0 disables (``--min-p``).
         repeat_penalty: divide positive / multiply negative logits of recent tokens; 1 disables.
         repeat_last_n: how many recent tokens the penalty looks at.
@@ -64,7 +65,7 @@ class SamplingParams:
         checks = [
             (math.isfinite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0 (got {self.temperature})"),
             (self.top_k >= 0, f"top-k must be >= 0 (got {self.top_k}; 0 disables it)"),
-            (0 < self.top_p <= 1, f"top-p must be in (0, 1] (got {self.top_p}; 1 disables it)"),
+            (0 <= self.top_p <= 1, f"top-p must be between 0 and 1 (got {self.top_p}; 1 disables it, 0 keeps the most likely token)"),
             (0 <= self.min_p <= 1, f"min-p must be in [0, 1] (got {self.min_p}; 0 disables it)"),
             (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0,
              f"repeat-penalty must be > 0 (got {self.repeat_penalty}; 1 disables it)"),

@@ -332,8 +332,8 @@ def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
     if not (math.isfinite(temp) and 0 <= temp <= 2):
         raise APIError(400, f"temperature must be between 0 and 2 (got {temp})")
     top_p = d.top_p if req.top_p is None else req.top_p
-    if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise APIError(400, f"top_p must be in (0, 1] (got {top_p})")
+    if not (math.isfinite(top_p) and 0 <= top_p <= 1):  # 0 keeps the most likely token, as llama.cpp and OpenAI
+        raise APIError(400, f"top_p must be between 0 and 1 (got {top_p})")
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
         if v is not None and not (math.isfinite(v) and -2 <= v <= 2):
