@@ -219,3 +219,13 @@ def test_a_lone_surrogate_is_a_400_not_a_500(srv, path, raw):
 def test_true_is_not_a_token_id(srv):
     r = _post(srv, "/completion", {"prompt": [True], "n_predict": 2})
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_limit_above_the_context_ends_at_the_context(srv, path):
+    """``max_tokens`` (``n_predict``) above the context is accepted, as llama-server does (clients
+    hard-code 4096 and the like): generation ends when the context is full, like ``-1``."""
+    body = _body(path, ignore_eos=True, **({"n_predict": 4 * CTX} if path in ("/completion", "/completions") else
+                                          {"max_tokens": 4 * CTX}))
+    text, n, finish = _result(path, _post(srv, path, body), False)
+    assert finish in ("length", "limit") and 0 < n < CTX

@@ -310,9 +310,9 @@ def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
                     defaults: SamplingParams | None = None, tokenizer=None, max_n: int = 1) -> SamplingParams:
     """The request's :class:`SamplingParams`; unset fields take the server's defaults (``--temp``,
     ``--seed``, ``-n``...). The token limit is :func:`token_limit`'s: -1 means until a stop or a full
-    context, 0 runs the prompt only (into the slot's cache; llama-server's ``n_predict: 0``); above
-    ``ctx`` it is refused (``ctx`` None: no bound, with context shift). ``max_n``: the most
-    choices (``n``) the endpoint takes.
+    context, 0 runs the prompt only (into the slot's cache; llama-server's ``n_predict: 0``); a limit
+    above the context is accepted and generation ends at the context, as llama-server does (``ctx``
+    is kept for callers and not used to refuse). ``max_n``: the most choices (``n``) the endpoint takes.
 
     Raises:
         APIError: 400 naming the bad field.
@@ -326,8 +326,8 @@ def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
         max_tokens = default_max
     elif max_tokens < -1:
         raise APIError(400, f"{name} must be at least 0, or -1 for no limit (got {max_tokens})")
-    elif ctx is not None and max_tokens > ctx:
-        raise APIError(400, f"{name} ({max_tokens}) is above the context size ({ctx})")
+    # a limit above the context is accepted, as llama-server does: generation ends at the context
+    # (finish_reason "length", truncated), as with -1
     temp = d.temperature if req.temperature is None else req.temperature
     if not (math.isfinite(temp) and 0 <= temp <= 2):
         raise APIError(400, f"temperature must be between 0 and 2 (got {temp})")
