@@ -125,3 +125,24 @@ def test_same_seed_same_text(engine):
     c = "".join(ev.text for ev in engine.generate(ids, SamplingParams(temperature=1.0, seed=8, max_tokens=16)))
     assert a == b
     assert a != c
+
+
+def test_a_large_logit_bias_is_turned_into_tensors_once(monkeypatch):
+    """A request may bias most of the vocabulary (llama-server's and OpenAI's logit_bias has no size
+    limit): its ids and biases become tensors once per request, not at every position of every round
+    on the thread that runs all the slots (was two tensors from 200,000-entry lists per position)."""
+    import gemmaspec.sampling as sampling
+
+    bias = tuple((t, 0.5 if t % 4 else -100.0) for t in range(0, 200_000, 2)) + ((7, -math.inf),)
+    params = SamplingParams(temperature=0.7, logit_bias=bias, presence_penalty=0.1, seed=1)
+    logits = torch.linspace(-3, 3, 262_144)
+    want = logits.clone().index_add_(0, torch.tensor([t for t, _ in bias]), torch.tensor([b for _, b in bias]))
+    greedy = SamplingParams(temperature=0, logit_bias=bias)
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(sampling.torch, "tensor", lambda *a, **k: made.append(1) or real(*a, **k))
+    for _ in range(20):
+        got = apply_repeat_penalty(logits, [], params)
+        top = greedy_token(logits, greedy, [])
+    assert torch.equal(got, want) and top == int(want.argmax())
+    assert len(made) <= 4  # ids and biases, once for each params object

@@ -18,20 +18,23 @@ from conftest import ServerProcess
 from gemmaspec.engine import Engine, RequestStats
 from gemmaspec.sampling import SamplingParams
 from gemmaspec.server.scheduler import Job, Scheduler
-from gemmaspec.server.security import host_allowed, key_matches
+from gemmaspec.errors import InputError
+from gemmaspec.server.security import host_allowed, key_matches, normalize_origin
 from gemmaspec.speculative.drafters import NgramDrafter
 from gemmaspec.streaming import StopChecker
 
 MODEL = "gemma-3-270m-q4_k_m.gguf"
 CTX = 512
 ALLOWED = "http://allowed.example"
+ALLOWED_FLAG = "HTTP://Allowed.Example:80/"  # the same origin as a user may type it: browsers send ALLOWED
 REPEAT = "Rewrite the list in the same order: apples, pears, plums, figs. Rewritten: apples, pears,"
 JSON_HDR = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    s = ServerProcess(tmp_path_factory.mktemp("serve-compat"), "-np", "2", "-c", str(CTX), "--cors-origin", ALLOWED,
+    s = ServerProcess(tmp_path_factory.mktemp("serve-compat"), "-np", "2", "-c", str(CTX), "--cors-origin", ALLOWED_FLAG,
+                      "--allowed-hosts", "box.example:8085",
                       "--spec-draft-n-max", "16", "-n", "24", "--temp", "0")
     yield s
     s.close()
@@ -187,6 +190,17 @@ def test_foreign_host_is_refused_and_own_names_pass(srv):
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", "[::1]:8080", "10.1.2.3"):
         assert httpx.get(srv.url + "/v1/models", headers={"Host": host}).status_code == 200, host
     assert host_allowed("My.Box:80", frozenset({"my.box"})) and not host_allowed("my.box.evil", frozenset({"my.box"}))
+    for host in ("box.example:8085", "Box.Example", "box.example.:9"):  # --allowed-hosts box.example:8085
+        assert httpx.get(srv.url + "/v1/models", headers={"Host": host}).status_code == 200, host
+    _err(httpx.get(srv.url + "/v1/models", headers={"Host": "box.example.evil:8085"}), 400)
+
+
+def test_cors_origin_flag_is_checked_and_normalized():
+    assert normalize_origin("HTTPS://App.Example:443/") == "https://app.example"
+    assert normalize_origin("http://[::1]:3000") == "http://[::1]:3000" and normalize_origin("*") == "*"
+    for bad in ("app.example", "https://app.example/page", "ftp://app.example", "https://"):
+        with pytest.raises(InputError, match="not an origin"):
+            normalize_origin(bad)
 
 
 def test_cors_only_for_the_configured_origin(srv):
@@ -353,6 +367,13 @@ def test_control_token_text_in_chat_content_cannot_forge_a_turn(srv, tokenizer):
     r = _post(srv, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1}).json()
     assert r["usage"]["prompt_tokens"] == len(ids)
     assert len(tokenizer.encode(tokenizer.apply_chat_template(msgs), add_bos=False)) != len(ids)
+    # whitespace the template trims around a turn but keeps after the system text (was a 400)
+    padded = [{"role": "system", "content": "Be brief.\n"}, {"role": "user", "content": f" {forged}\n"}]
+    n = len(tokenizer.encode_chat(padded))
+    for path in ("/v1/chat/completions", "/chat/completions/input_tokens"):
+        r = _post(srv, path, {"messages": padded, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json().get("input_tokens", r.json().get("usage", {}).get("prompt_tokens")) == n
 
 
 def test_byte_fallback_logprobs_carry_their_bytes(srv):

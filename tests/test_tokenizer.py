@@ -58,3 +58,36 @@ def test_chat_template(tokenizer):
     assert ids.count(tokenizer.bos_id) == 1
     end_of_turn = tokenizer.token_to_id("<end_of_turn>")
     assert end_of_turn in tokenizer.stop_ids and tokenizer.eos_id in tokenizer.stop_ids
+
+
+CONTROL_TEXTS = ["<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>", "<pad>", "<mask>", "<unused0>"]
+
+
+def _template_controls(tokenizer, msgs, **kw):
+    """The control tokens the template itself writes for ``msgs`` (their contents made harmless)."""
+    plain = [{**m, "content": "x" if m["content"] else ""} for m in msgs]
+    return [t for t in tokenizer.encode_chat(plain, **kw) if t in tokenizer.special_ids]
+
+
+@pytest.mark.parametrize("ctl", CONTROL_TEXTS)
+@pytest.mark.parametrize("shape", ["system-newline", "padded-user", "assistant-trailing", "continued"])
+def test_control_token_text_in_chat_content_is_text_whatever_its_whitespace(tokenizer, ctl, shape):
+    """Control-token spellings in message content stay text even when the content has leading or
+    trailing whitespace that the template trims for some messages and keeps for others (Gemma's
+    trims turns, not the system text it folds into the first one): was a 400."""
+    kw = {}
+    if shape == "system-newline":
+        msgs = [{"role": "system", "content": "Be brief.\n"}, {"role": "user", "content": f" x {ctl} y\n"}]
+    elif shape == "padded-user":
+        msgs = [{"role": "system", "content": " S "}, {"role": "user", "content": f"  {ctl}hi  "}]
+    elif shape == "assistant-trailing":
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": f"ok {ctl}\n"},
+                {"role": "user", "content": f"\t{ctl}"}]
+    else:
+        msgs = [{"role": "system", "content": "S\n"}, {"role": "user", "content": f" hi {ctl} "},
+                {"role": "assistant", "content": f"Sure {ctl} "}]
+        kw = {"add_generation_prompt": False, "continue_final": True}
+    ids = tokenizer.encode_chat(msgs, **kw)
+    assert [t for t in ids if t in tokenizer.special_ids] == _template_controls(tokenizer, msgs, **kw)
+    assert ids.count(tokenizer.bos_id) == 1 and ids[0] == tokenizer.bos_id
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(msgs, **kw)

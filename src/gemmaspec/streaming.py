@@ -5,6 +5,7 @@ while they may still match, max tokens). Used by every request (:class:`gemmaspe
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 from .sampling import SamplingParams
@@ -46,52 +47,104 @@ class StopStrings:
 
     Feeding a character costs O(1) amortised plus the matches it completes, whatever the number of
     stop strings, and :attr:`depth` (the longest tail of the text that is a prefix of some stop
-    string, i.e. what must be held back) is known after every character. Building costs
-    O(total length of the strings) (about a second for 64 strings of 1024 characters in CPython), so
-    build through :func:`stop_matcher`, which keeps recent automata: the server builds a request's
-    before it reaches the scheduler thread. :meth:`fresh` gives a matcher of the same automaton at
-    the start of the text.
+    string, i.e. what must be held back) is known after every character. Nothing is built up front
+    but the sorted list of strings: a trie state is the range of strings sharing a prefix, made
+    (by binary search) the first time the text reaches it, and its failure and output links are
+    computed then and kept. So a request's long stop list (64 strings of 1024 characters) costs
+    what its text visits, not a whole automaton of pure Python (~0.1-0.2 s) competing with the
+    model for the CPU. :func:`stop_matcher` shares automata; :meth:`fresh` gives a matcher at the
+    start of a text (matchers of one automaton share the states made so far; all are fed on one
+    thread).
     """
 
     def __init__(self, stops):
-        self.goto: list[dict[str, int]] = [{}]
+        self.words = sorted(set(w for w in stops if w))
+        self.span = [(0, len(self.words), 0)]  # per state: its strings words[lo:hi], prefix length
+        self.goto: list[dict[str, int]] = [{}]  # transitions made so far (-1: none)
         self.depth_of = [0]
-        self.fail = [0]
-        self.out: list[str | None] = [None]  # the longest stop string ending at this state
-        self.out_link = [0]  # next state (via failure links) with a match; 0 = none
-        for w in stops:
-            st = 0
-            for ch in w:
-                nxt = self.goto[st].get(ch)
-                if nxt is None:
-                    nxt = len(self.goto)
-                    self.goto[st][ch] = nxt
-                    self.goto.append({})
-                    self.depth_of.append(self.depth_of[st] + 1)
-                    self.fail.append(0)
-                    self.out.append(None)
-                    self.out_link.append(0)
-                st = nxt
-            if self.out[st] is None:
-                self.out[st] = w
-        order = list(self.goto[0].values())
-        head = 0
-        while head < len(order):  # breadth first: failure links point to shallower states
-            st = order[head]
-            head += 1
-            for ch, nxt in self.goto[st].items():
-                f = self.fail[st]
-                while f and ch not in self.goto[f]:
-                    f = self.fail[f]
-                cand = self.goto[f].get(ch, 0) if st else 0
-                self.fail[nxt] = cand if cand != nxt else 0
-                fl = self.fail[nxt]
-                self.out_link[nxt] = fl if self.out[fl] is not None else self.out_link[fl]
-                order.append(nxt)
+        self.parent = [0]
+        self.char = [""]
+        self.out: list[str | None] = [None]  # the stop string ending at this state
+        self.fail: list[int | None] = [0]  # None: not computed yet
+        self.out_link: list[int | None] = [0]  # next state (via failure links) with a match; 0 = none
         self.state = 0
 
+    def _child(self, st: int, ch: str) -> int:
+        """The trie state after ``st`` reads ``ch``, made on first use; -1 when there is none."""
+        c = self.goto[st].get(ch)
+        if c is not None:
+            return c
+        lo, hi, d = self.span[st]
+        words = self.words
+        prefix = words[lo][:d] + ch
+        i = bisect.bisect_left(words, prefix, lo, hi)
+        if i < hi and words[i].startswith(prefix):
+            j = bisect.bisect_right(words, prefix, i, hi, key=lambda w: w[:d + 1])
+            c = len(self.span)
+            self.span.append((i, j, d + 1))
+            self.goto.append({})
+            self.depth_of.append(d + 1)
+            self.parent.append(st)
+            self.char.append(ch)
+            self.out.append(words[i] if len(words[i]) == d + 1 else None)
+            self.fail.append(None)
+            self.out_link.append(None)
+        else:
+            c = -1
+        self.goto[st][ch] = c
+        return c
+
+    def _fail(self, st: int) -> int:
+        """The failure link of ``st`` (the state of its longest proper suffix), computed on demand
+        with those it depends on (shallower states), without recursion."""
+        fail = self.fail
+        stack = [st]
+        while stack:
+            s = stack[-1]
+            if fail[s] is not None:
+                stack.pop()
+                continue
+            p = self.parent[s]
+            if p == 0:
+                fail[s] = 0
+                stack.pop()
+                continue
+            f = fail[p]
+            if f is None:
+                stack.append(p)
+                continue
+            ch = self.char[s]
+            while f and self._child(f, ch) < 0 and fail[f] is not None:
+                f = fail[f]
+            if f and self._child(f, ch) < 0:  # a link on the way is not computed yet
+                stack.append(f)
+                continue
+            fail[s] = max(self._child(f, ch), 0)
+            stack.pop()
+        return fail[st]
+
+    def _out_link(self, st: int) -> int:
+        """The nearest state on ``st``'s failure chain where a stop string ends (0: none)."""
+        link = self.out_link[st]
+        if link is not None:
+            return link
+        chain, s = [], st
+        while True:
+            chain.append(s)
+            f = self._fail(s)
+            if f == 0 or self.out[f] is not None:
+                link = f
+                break
+            if self.out_link[f] is not None:
+                link = self.out_link[f]
+                break
+            s = f
+        for c in chain:  # none of their failure states but the last holds a match: they share the link
+            self.out_link[c] = link
+        return link
+
     def fresh(self) -> "StopStrings":
-        """A matcher sharing this automaton (read only), at the start of a text."""
+        """A matcher sharing this automaton, at the start of a text."""
         m = object.__new__(StopStrings)
         m.__dict__.update(self.__dict__)
         m.state = 0
@@ -105,15 +158,15 @@ class StopStrings:
     def feed(self, ch: str) -> list[str]:
         """Advance by one character; returns the stop strings that end at it (longest first)."""
         st = self.state
-        while st and ch not in self.goto[st]:
-            st = self.fail[st]
-        st = self.goto[st].get(ch, 0)
+        while st and self._child(st, ch) < 0:
+            st = self._fail(st)
+        st = max(self._child(st, ch), 0)
         self.state = st
         found = []
-        m = st if self.out[st] is not None else self.out_link[st]
+        m = st if self.out[st] is not None else self._out_link(st)
         while m:
             found.append(self.out[m])
-            m = self.out_link[m]
+            m = self._out_link(m)
         return found
 
 

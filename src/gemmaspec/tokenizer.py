@@ -369,15 +369,18 @@ class GemmaTokenizer:
         for m in messages:
             if start in m["content"] or end in m["content"]:
                 raise InputError("message content contains U+FDD0 or U+FDD1 (noncharacters); remove them")
-        marked = None
-        for strip in (False, True):
-            wrapped = [{**m, "content": start + (m["content"].strip() if strip else m["content"]) + end}
-                       for m in messages]
-            cand = self.apply_chat_template(wrapped, **(opts or {}))
-            if cand.replace(start, "").replace(end, "") == text:
-                marked = cand
-                break
-        if marked is None:
+
+        def wrap(content: str) -> str:
+            # the marks go inside the content's leading and trailing whitespace, so a template that
+            # trims some contents (Gemma's trims turns, not the system prefix) keeps every mark
+            if not content:
+                return content
+            core = content.strip()
+            i = len(content) - len(content.lstrip())
+            return content[:i] + start + core + end + content[i + len(core):]
+
+        marked = self.apply_chat_template([{**m, "content": wrap(m["content"])} for m in messages], **(opts or {}))
+        if marked.replace(start, "").replace(end, "") != text:
             raise InputError("this chat template transforms message content, so control-token text in a message "
                              "(such as <start_of_turn>) cannot be kept as text; remove it from the message")
         # pieces: (text, is_content)

@@ -180,8 +180,10 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
 
     app = FastAPI(title="gemmaspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.metrics, app.state.info, app.state.cfg = scheduler, metrics, info, cfg
-    if cfg.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["GET", "POST"],
+    if cfg.cors_origins:  # as browsers write Origin (a trailing slash or upper case in the flag would never match)
+        from .security import normalize_origin
+
+        app.add_middleware(CORSMiddleware, allow_origins=[normalize_origin(o) for o in cfg.cors_origins], allow_methods=["GET", "POST"],
                            allow_headers=["*"], allow_credentials="*" not in cfg.cors_origins)
     app.add_middleware(Guard, allowed_hosts=cfg.allowed_hosts, cors_origins=cfg.cors_origins, max_body=cfg.max_body)
 

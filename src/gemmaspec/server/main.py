@@ -187,7 +187,7 @@ def serve(args) -> int:
             raise InputError(f"--slot-save-path {slot_dir}: cannot create it ({exc.strerror or exc})") from None
         slot_dir = str(slot_dir)
     split = lambda vals: tuple(x.strip() for v in vals for x in v.split(",") if x.strip())  # noqa: E731
-    from .security import host_names
+    from .security import host_names, normalize_origin
 
     binds = [h.strip().strip("[]") for h in args.host.split(",") if h.strip()]
     if not binds:
@@ -198,7 +198,7 @@ def serve(args) -> int:
                       ngram_min=args.spec_ngram_min, ctx_size=args.ctx_size, n_slots=args.parallel,
                       device=args.device, threads=args.threads, api_key=args.api_key, alias=args.alias,
                       defaults=defaults, n_predict=args.n_predict, allowed_hosts=hosts,
-                      cors_origins=split(args.cors_origin), slot_save_path=slot_dir, verbose=args.verbose,
+                      cors_origins=tuple(normalize_origin(o) for o in split(args.cors_origin)), slot_save_path=slot_dir, verbose=args.verbose,
                       slots_endpoint=args.slots_endpoint, metrics_endpoint=args.metrics, ui=args.ui, tags=split([args.tags or ""]),
                       chat_template=chat_template_of(args), context_shift=args.context_shift, n_keep=args.keep)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)

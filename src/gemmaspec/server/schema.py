@@ -31,7 +31,7 @@ MAX_STOP_STRINGS = 64
 """Most stop strings a request may give."""
 MAX_STOP_CHARS = 1024
 """Longest stop string, in characters (checking a token costs at most its own characters, see
-:class:`~gemmaspec.streaming.StopStrings`; the limits keep building the matcher cheap)."""
+:class:`~gemmaspec.streaming.StopStrings`, which builds nothing up front; the limits bound the request's size)."""
 MAX_MESSAGES = 4096
 """Most messages a chat request may carry."""
 MAX_JSON_DEPTH = 64

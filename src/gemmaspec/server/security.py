@@ -42,6 +42,34 @@ def _host_name(host: str) -> str:
     return host.rstrip(".")
 
 
+def normalize_origin(origin: str) -> str:
+    """``--cors-origin`` text → the origin as a browser writes it in ``Origin`` (``scheme://host[:port]``,
+    lower case, no trailing slash, no default port); ``*`` and ``null`` as they are.
+
+    Raises:
+        InputError: text that is not an origin (no scheme or host, or a path, query or fragment).
+    """
+    from ..errors import InputError
+
+    o = origin.strip()
+    if o in ("*", "null"):
+        return o
+    parts = urlsplit(o)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
+            or parts.query or parts.fragment or parts.username or parts.password:
+        raise InputError(f"--cors-origin {origin!r} is not an origin: write it as the browser sends it, "
+                         "scheme://host[:port], e.g. https://app.example or http://localhost:3000")
+    host = parts.hostname.lower()
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = parts.port
+    except ValueError:
+        raise InputError(f"--cors-origin {origin!r}: the port is not a number in 0..65535") from None
+    default = {"http": 80, "https": 443}[parts.scheme.lower()]
+    return f"{parts.scheme.lower()}://{host}" + (f":{port}" if port is not None and port != default else "")
+
+
 def host_allowed(host: str | None, allowed: frozenset[str]) -> bool:
     """Whether a request's ``Host`` may be served: an IP literal, ``localhost``, or a name in
     ``allowed`` (``*`` allows every name). A missing Host (HTTP/1.0) is allowed: browsers always send one."""
@@ -70,7 +98,8 @@ def host_names(bind: str, allowed=()) -> tuple[str, ...]:
     names = tuple(allowed) + (bind,)
     if bind in WILDCARD_BINDS:
         names += (socket.gethostname(), socket.getfqdn())
-    return tuple(n.lower().rstrip(".") for n in names if n and n not in WILDCARD_BINDS)
+    # a name given with a port or in brackets ("box:8085", "[::1]") is matched as a Host header's name
+    return tuple(_host_name(n) for n in names if n and n not in WILDCARD_BINDS)
 
 
 def _error(status: int, message: str, type_: str) -> tuple[dict, bytes]:
@@ -92,8 +121,8 @@ class Guard:
 
     def __init__(self, app, allowed_hosts=(), cors_origins=(), max_body: int = MAX_BODY_BYTES):
         self.app = app
-        self.allowed = frozenset(h.lower().rstrip(".") for h in allowed_hosts)
-        self.origins = frozenset(o.rstrip("/") for o in cors_origins)
+        self.allowed = frozenset(_host_name(h) for h in allowed_hosts)
+        self.origins = frozenset(normalize_origin(o) for o in cors_origins)
         self.max_body = max_body
 
     async def _refuse(self, send, status: int, message: str, type_: str = "invalid_request_error") -> None:
@@ -110,7 +139,7 @@ class Guard:
             return await self._refuse(send, 400, f"Host '{host}' is not allowed (DNS rebinding protection): use the "
                                                  f"server's address, or start it with --allowed-hosts {_host_name(host)}")
         origin = headers.get("origin")
-        if origin and origin != "null" and "*" not in self.origins and origin.rstrip("/") not in self.origins:
+        if origin and origin != "null" and "*" not in self.origins and origin.rstrip("/").lower() not in self.origins:
             own = urlsplit(origin).netloc.lower()
             if own != (host or "").lower():
                 return await self._refuse(send, 403, f"cross-origin request from {origin} refused: start the server "
