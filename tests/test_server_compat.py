@@ -231,6 +231,34 @@ def test_limits_are_clear_400s(srv, body, needle):
     _err(_post(srv, path, body), 400, needle)
 
 
+def test_a_request_of_many_prompts_does_not_hold_back_other_requests(srv):
+    """A /completion request of 30 prompts runs as 30 jobs; a request sent after it starts gets the next
+    free slot instead of waiting behind all of them (it waited for every one: a 2,000-prompt request made
+    another client wait 34 s)."""
+    finished, order = [], []
+    started = threading.Event()
+
+    def big():
+        body = {"prompt": [f"Count to {i}:" for i in range(30)], "n_predict": 6, "ignore_eos": True, "stream": True,
+                "cache_prompt": False}
+        with httpx.stream("POST", srv.url + "/completion", json=body, timeout=300) as r:
+            for ln in r.iter_lines():
+                if ln.startswith("data: {"):
+                    started.set()
+                    if json.loads(ln[6:]).get("stop"):
+                        finished.append(1)
+                        order.append("big")
+
+    t = threading.Thread(target=big)
+    t.start()
+    assert started.wait(300)
+    r = _post(srv, "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+    order.append("other")
+    t.join()
+    assert r.status_code == 200 and len(finished) == 30
+    assert order.index("other") < 10, order  # a slot's turn, not the whole queue's
+
+
 def test_body_over_the_limit_is_refused(srv):
     r = httpx.post(srv.url + "/v1/completions", content=b'{"prompt": "' + b"x" * (9 << 20) + b'"}', headers=JSON_HDR)
     _err(r, 413, "limit")
