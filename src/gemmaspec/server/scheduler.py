@@ -318,6 +318,8 @@ class Scheduler:
         jobs of requests that have fewer (a request of 2,000 prompts or 16 choices takes its share of
         the slots, not all of them until it is done); a job waiting for its slot lets others pass.
         Called with ``_cond`` held."""
+        if all(s.job is not None for s in self.slots):
+            return None, None  # every round with a full house: no need to look at the queue
         running: dict[int, int] = {}
         for s in self.slots:
             if s.job is not None and s.job.group is not None:
