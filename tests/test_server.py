@@ -253,7 +253,9 @@ def test_serve_command_errors_are_one_line(tmp_path):
     from conftest import run_cli
 
     for args, needle in [(("-m", str(tmp_path / "nope.gguf")), "not found"), (("-np", "0"), "-np"),
-                         (("--port", "70000"), "--port"), (("--spec-draft-n-max", "x"), "--spec-draft-n-max")]:
+                         (("--port", "70000"), "--port"), (("--spec-draft-n-max", "x"), "--spec-draft-n-max"),
+                         (("--cors-origin", "app.example"), "not an origin"),
+                         (("--allowed-hosts", "http://box.example"), "--allowed-hosts takes host names")]:
         res = run_cli("serve", "--port", "0", *args, timeout=120) if "--port" not in args else run_cli("serve", *args)
         assert res.returncode == 1, res.stderr
         assert "Traceback" not in res.stderr

@@ -231,6 +231,34 @@ def test_limits_are_clear_400s(srv, body, needle):
     _err(_post(srv, path, body), 400, needle)
 
 
+def test_a_request_of_many_prompts_does_not_hold_back_other_requests(srv):
+    """A /completion request of 30 prompts runs as 30 jobs; a request sent after it starts gets the next
+    free slot instead of waiting behind all of them (it waited for every one: a 2,000-prompt request made
+    another client wait 34 s)."""
+    finished, order = [], []
+    started = threading.Event()
+
+    def big():
+        body = {"prompt": [f"Count to {i}:" for i in range(30)], "n_predict": 6, "ignore_eos": True, "stream": True,
+                "cache_prompt": False}
+        with httpx.stream("POST", srv.url + "/completion", json=body, timeout=300) as r:
+            for ln in r.iter_lines():
+                if ln.startswith("data: {"):
+                    started.set()
+                    if json.loads(ln[6:]).get("stop"):
+                        finished.append(1)
+                        order.append("big")
+
+    t = threading.Thread(target=big)
+    t.start()
+    assert started.wait(300)
+    r = _post(srv, "/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+    order.append("other")
+    t.join()
+    assert r.status_code == 200 and len(finished) == 30
+    assert order.index("other") < 10, order  # a slot's turn, not the whole queue's
+
+
 def test_body_over_the_limit_is_refused(srv):
     r = httpx.post(srv.url + "/v1/completions", content=b'{"prompt": "' + b"x" * (9 << 20) + b'"}', headers=JSON_HDR)
     _err(r, 413, "limit")
@@ -492,6 +520,65 @@ def test_seeded_sampling_is_the_same_with_any_draft_length(engine):
         assert st.spec.drafted > 0 and st.spec.accepted > 0  # drafts were verified, and some kept
     other = SamplingParams(temperature=0.9, seed=12, max_tokens=40, ignore_eos=True)
     assert [t for e in engine.generate(ids, other) for t in e.tokens] != plain  # the seed is used
+
+
+@pytest.mark.parametrize("spec", ["draft-mtp", "draft-simple"])
+def test_seeded_sampling_is_the_same_with_the_assistant_and_a_draft_model(engine, model_path, spec):
+    """The other drafters propose deterministically too (the shipped MTP assistant; a greedy draft
+    model, here the target's own file): with penalties, filters and a logit bias, every draft length
+    gives plain sampling's tokens."""
+    from gemmaspec.loader import load_drafter
+
+    drafter = load_drafter(spec, engine, str(model_path) if spec == "draft-simple" else None)
+    ids = engine.tokenizer.encode(REPEAT)
+    params = SamplingParams(temperature=1.1, seed=4, max_tokens=32, ignore_eos=True, top_k=0, top_p=0.9, min_p=0.01,
+                            repeat_penalty=1.1, frequency_penalty=0.4, presence_penalty=0.2, logit_bias=((236764, 1.5),))
+    plain = [t for e in engine.generate(ids, params) for t in e.tokens]
+    for n_max in (1, 3, 15, "auto"):
+        st = RequestStats()
+        assert [t for e in engine.generate(ids, params, drafter, n_max, st) for t in e.tokens] == plain, n_max
+        assert st.spec.drafted > 0
+
+
+SEEDED = {"max_tokens": 20, "ignore_eos": True, "temperature": 1.0, "seed": 9, "cache_prompt": False}
+SCHEMA = {"type": "object", "properties": {"fruit": {"type": "string"}}, "required": ["fruit"]}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": REPEAT, "top_k": 20, "top_p": 0.9, "min_p": 0.02, "frequency_penalty": 0.5,
+                         "presence_penalty": 0.3, "repeat_penalty": 1.1, "logit_bias": {"236764": 2}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "List five fruits."}], "n": 2}),
+    ("/completion", {"prompt": REPEAT, "top_k": 0, "top_p": 1.0, "min_p": 0.0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "A fruit as JSON."}], "ignore_eos": False,
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": SCHEMA}}}),
+], ids=["completions-penalties", "chat-n2", "native-nofilter", "chat-grammar"])
+def test_seeded_text_is_the_same_at_every_draft_length_streamed_and_batched(srv, path, body):
+    def texts(r):
+        by = {}
+        for ev in (r if isinstance(r, list) else [r]):
+            for c in ev.get("choices") or [{"index": 0, "text": ev.get("content", "")}]:
+                d = c.get("text") or (c.get("delta") or {}).get("content") or (c.get("message") or {}).get("content") or ""
+                by[c.get("index", 0)] = by.get(c.get("index", 0), "") + d
+        return [by[i] for i in sorted(by)]
+
+    def run(extra, stream):
+        b = {**SEEDED, **body, **extra}
+        if not stream:
+            return texts(_post(srv, path, b).json())
+        with httpx.stream("POST", srv.url + path, json={**b, "stream": True}, timeout=120) as r:
+            return texts([json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")])
+
+    want = run({"speculative.n_max": 0}, False)
+    assert want[0] and len(want) == body.get("n", 1)
+    busy = threading.Thread(target=_post, args=(srv, "/v1/completions", {"prompt": "Tell a long story.",
+                                                                            "max_tokens": 200, "ignore_eos": True}))
+    busy.start()  # the other slot generates meanwhile: rounds are batched with it
+    try:
+        for n_max in (1, 3, 16, "auto"):
+            for stream in (False, True):
+                assert run({"speculative.n_max": n_max}, stream) == want, (n_max, stream)
+    finally:
+        busy.join()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

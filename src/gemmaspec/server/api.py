@@ -12,6 +12,7 @@ request gets its events through an asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -37,6 +38,7 @@ from .security import MAX_BODY_BYTES, Guard, key_matches
 from .tools import parse_tools, render_history, tools_grammar, with_tools_prompt
 
 log = logging.getLogger("gemmaspec.server")
+_groups = itertools.count(1)  # numbers of requests that run several jobs (Job.group)
 
 PUBLIC_PATHS = {"/", "/health", "/v1/health", "/v1/models", "/models"}  # llama-server's public set + the page
 OFF_SAMPLERS = {"typical_p": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
@@ -468,13 +470,14 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                                    want_slot=req.id_slot, grammar=grammar)
         for ids in prompts:  # all or none: check every prompt before any runs
             _check_context(ids)
+        group = next(_groups)
         if req.stream:  # one stream, each event tagged with its prompt's index (llama-server's)
             queue: asyncio.Queue = asyncio.Queue()
             jobs = []
             try:
                 for i, ids in enumerate(prompts):
                     jobs.append(await _submit(req, "completion", ids, params, n_probs, fmts[i], queue, req.id_slot,
-                                              grammar, tag=i))
+                                              grammar, tag=i, group=group))
             except BaseException:
                 for j in jobs:
                     scheduler.cancel(j)
@@ -482,7 +485,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             return _JobStream(_native_multi_stream(queue, fmts, jobs),
                               on_close=lambda: [scheduler.cancel(j) for j in jobs])
         got = await asyncio.gather(*[_generate(request, req, "completion", ids, params, n_probs, fmts[i],
-                                               want_slot=req.id_slot, grammar=grammar)
+                                               want_slot=req.id_slot, grammar=grammar, group=group)
                                      for i, ids in enumerate(prompts)], return_exceptions=True)
         for r in got:
             if isinstance(r, BaseException):
@@ -603,7 +606,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                            n_prompt_tokens=len(ids), n_ctx=n_ctx)
 
     async def _submit(req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt, queue: asyncio.Queue,
-                      want_slot: int = -1, grammar=None, tag=None) -> Job:
+                      want_slot: int = -1, grammar=None, tag=None, group=None) -> Job:
         """Queue one generation; its events arrive on ``queue`` (as ``(tag, item)`` when ``tag`` is given)."""
         e = info["engine"]
         # any model name is accepted while one model is served (llama-server does the same)
@@ -630,7 +633,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                   cache_prompt=req.cache_prompt, constraint=constraint,
                   post_sampling=bool(getattr(req, "post_sampling_probs", False)),
                   progress=req.return_progress and req.stream,
-                  n_keep=cfg.n_keep if req.n_keep is None else req.n_keep, n_discard=req.n_discard)
+                  n_keep=cfg.n_keep if req.n_keep is None else req.n_keep, n_discard=req.n_discard, group=group)
         try:
             scheduler.submit(job)
         except RuntimeError as exc:
@@ -638,9 +641,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         return job
 
     async def _generate(request: Request, req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt,
-                        want_slot: int = -1, grammar=None):
+                        want_slot: int = -1, grammar=None, group=None):
         queue: asyncio.Queue = asyncio.Queue()
-        job = await _submit(req, kind, ids, params, logprobs, fmt, queue, want_slot, grammar)
+        job = await _submit(req, kind, ids, params, logprobs, fmt, queue, want_slot, grammar, group=group)
         if req.stream:
             gen = _native_stream(queue, fmt, job) if kind == "completion" else _stream(queue, fmt, job)
             return _JobStream(gen, on_close=lambda: scheduler.cancel(job))
@@ -678,20 +681,22 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         into one response or one stream whose chunks carry their choice's ``index``; usage counts each
         prompt once and every choice's tokens."""
         each = [params if params.seed < 0 else replace(params, seed=params.seed + i) for i in range(len(fmts))]
+        group = next(_groups)
         if req.stream:
             queue: asyncio.Queue = asyncio.Queue()
             jobs: list[Job] = []
             try:
                 for i, fmt in enumerate(fmts):
                     jobs.append(await _submit(req, kind, prompts[i], each[i], logprobs, fmt, queue, req.id_slot,
-                                              grammar=grammar, tag=i))
+                                              grammar=grammar, tag=i, group=group))
             except BaseException:
                 for j in jobs:
                     scheduler.cancel(j)
                 raise
             return _JobStream(_multi_stream(queue, fmts, jobs), on_close=lambda: [scheduler.cancel(j) for j in jobs])
         got = await asyncio.gather(*[_generate(request, req, kind, prompts[i], each[i], logprobs, fmt,
-                                               want_slot=req.id_slot, grammar=grammar) for i, fmt in enumerate(fmts)],
+                                               want_slot=req.id_slot, grammar=grammar, group=group)
+                                     for i, fmt in enumerate(fmts)],
                                    return_exceptions=True)
         for r in got:
             if isinstance(r, BaseException):

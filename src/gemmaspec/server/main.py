@@ -192,6 +192,10 @@ def serve(args) -> int:
     binds = [h.strip().strip("[]") for h in args.host.split(",") if h.strip()]
     if not binds:
         raise InputError("--host needs an address")
+    bad = [h for h in split(args.allowed_hosts) if "/" in h or "@" in h]
+    if bad:
+        raise InputError(f"--allowed-hosts takes host names as a Host header carries them (box.example or "
+                         f"box.example:8085), not {bad[0]!r}")
     hosts = tuple(n for b in binds for n in host_names(b, split(args.allowed_hosts)))  # IPs, localhost pass
     cfg = ServeConfig(model=args.model, draft_model=args.model_draft, spec_type=args.spec_type, n_max=n_max,
                       n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, ngram_size=args.spec_ngram_size,

@@ -4,7 +4,8 @@ Continuous batching over ``n_slots`` slots. Each slot has its own KV cache and i
 request runs as a :class:`~gemmaspec.engine.RequestState` in a slot, so the server shares the
 engine's round logic (draft → verify → stop checks → rollback) with ``gemmaspec generate``. The loop:
 
-1. admit queued requests (FIFO) into free slots and prefill them, one at a time;
+1. admit queued requests (FIFO; a request's further choices or prompts yield to other requests) into
+   free slots and prefill them, one at a time;
 2. ask every active slot for its round's tokens (``begin_round``: the pending token + drafts);
 3. run all of them in one target forward (``model.forward_batch``; a model without it runs the
    slots one forward at a time);
@@ -52,6 +53,8 @@ class Job:
         name: request id used in logs and ``/slots`` (``cmpl-...``).
         endpoint: ``completions``, ``chat`` or ``completion`` (llama-server's native; a metrics label).
         want_slot: run only in this slot (llama-server's ``id_slot``); -1 for any.
+        group: the request's number when it runs several jobs (``n`` choices, several ``/completion``
+            prompts): queued, they yield to other requests' jobs while some of them run.
         cache_prompt: reuse the KV of the longest prefix a free slot already holds (llama-server's
             ``cache_prompt``); the request goes to the free slot holding the longest one when it counts
             (:func:`pick_slot`), else (and without ``cache_prompt``) to the least recently used free
@@ -84,6 +87,7 @@ class Job:
     progress: bool = False
     n_keep: int = 0
     n_discard: int = 0
+    group: int | None = None  # the request it belongs to, when one request runs several jobs (n, prompts)
     stop_word: str = ""
     cache_n: int = 0
     n_cached: int = 0
@@ -310,13 +314,14 @@ class Scheduler:
                 self._run_actions()
             with self._cond:
                 admit = []
-                for job in list(self._queue):  # arrival order; a job waiting for its slot lets others pass
-                    free = [s for s in self.slots if s.job is None and job.want_slot in (-1, s.index)]
-                    if free:
-                        s = pick_slot(free, job.prompt_ids, job.cache_prompt)
-                        self._queue.remove(job)
-                        s.job, job.slot = job, s.index
-                        admit.append(s)
+                while True:
+                    job, free = self._next_admissible()
+                    if job is None:
+                        break
+                    s = pick_slot(free, job.prompt_ids, job.cache_prompt)
+                    self._queue.remove(job)
+                    s.job, job.slot = job, s.index
+                    admit.append(s)
             for s in admit:
                 self._admit(s)
             for s in self.slots:
@@ -333,6 +338,35 @@ class Scheduler:
                 self._queue.popleft().emit(("error", (503, "the server is shutting down")))
             while self._actions:
                 self._actions.popleft()[2].set_exception(RuntimeError("the server is shutting down"))
+
+    def _next_admissible(self):
+        """The queued job to admit next and its free slots, or ``(None, None)``: in arrival order,
+        except that a job of a request (``group``) that already has jobs running waits behind the
+        jobs of requests that have fewer (a request of 2,000 prompts or 16 choices takes its share of
+        the slots, not all of them until it is done); a job waiting for its slot lets others pass.
+        Called with ``_cond`` held."""
+        if all(s.job is not None for s in self.slots):
+            return None, None  # every round with a full house: no need to look at the queue
+        running: dict[int, int] = {}
+        for s in self.slots:
+            if s.job is not None and s.job.group is not None:
+                running[s.job.group] = running.get(s.job.group, 0) + 1
+        best, best_key, best_free = None, None, None
+        seen: set[int] = set()
+        for i, job in enumerate(self._queue):
+            if job.group is not None:
+                if job.group in seen:  # only a request's first queued job competes
+                    continue
+                seen.add(job.group)
+            free = [s for s in self.slots if s.job is None and job.want_slot in (-1, s.index)]
+            if not free:
+                continue
+            key = (running.get(job.group, 0) if job.group is not None else 0, i)
+            if best_key is None or key < best_key:
+                best, best_key, best_free = job, key, free
+                if key[0] == 0:
+                    break  # nothing beats the earliest job of a request with none running
+        return best, best_free
 
     def _admit(self, s: Slot) -> None:
         job = s.job
