@@ -138,6 +138,18 @@ def test_draft_model_with_itself_accepts_everything(model_path):
     assert "draft acceptance = 1.00000" in res.stderr
 
 
+
+def test_md_without_spec_type_drafts_with_that_model(model_path):
+    """``-md`` alone turns drafting on with that model, as llama.cpp does (it was an error: "-md is used
+    by --spec-type draft-simple or draft-mtp, not none"); without ``-md`` generate does not draft."""
+    res = run_cli("generate", "-m", str(model_path), "-md", str(model_path), "-p", "The capital of France is",
+                  "-n", "9", "--temp", "0", "--spec-draft-n-max", "3")
+    assert res.returncode == 0, res.stderr
+    assert "draft acceptance = 1.00000" in res.stderr
+    plain = run_cli("generate", "-m", str(model_path), "-p", "The capital of France is", "-n", "9", "--temp", "0")
+    assert plain.returncode == 0 and "draft acceptance" not in plain.stderr and plain.stdout == res.stdout
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--spec-type", "ngram-simple", "--spec-draft-n-max", "x"], "--spec-draft-n-max"),
     (["--spec-type", "ngram-simple", "--spec-draft-n-max", "300"], "0..256"),

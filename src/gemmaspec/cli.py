@@ -103,7 +103,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _add_spec(p: argparse.ArgumentParser, default: str | None = "none", help_default: str = "default none") -> None:
     sp = p.add_argument_group("speculative decoding (llama-server's flags)")
-    sp.add_argument("--spec-type", default=default, choices=SPEC_TYPES, help=f"drafter ({help_default})")
+    sp.add_argument("--spec-type", default=None, choices=SPEC_TYPES,
+                    help=f"drafter ({help_default}; with -md and no --spec-type: draft-mtp for an assistant, "
+                         "draft-simple for a model, as llama.cpp)")
+    p.set_defaults(spec_type_default=default)
     sp.add_argument("--spec-draft-n-max", "--draft-max", default=None,
                     help="most draft tokens per round, or 'auto' to adapt per request (default: the known model's "
                          "recommendation, see gemmaspec models; else 3)")
@@ -248,6 +251,8 @@ def check_common(args) -> None:
     Raises:
         InputError: ``-c`` negative or 1 (0 means the model's context).
     """
+    if getattr(args, "spec_type_default", None) is not None and args.spec_type is None and not args.model_draft:
+        args.spec_type = args.spec_type_default  # with -md and no --spec-type, None: the loader picks by the file
     ctx = getattr(args, "ctx_size", None)
     if ctx is not None and (ctx < 0 or ctx == 1):
         raise InputError(f"-c must be 0 (the model's context) or at least 2 (got {ctx})")
