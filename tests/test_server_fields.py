@@ -229,3 +229,22 @@ def test_a_limit_above_the_context_ends_at_the_context(srv, path):
                                           {"max_tokens": 4 * CTX}))
     text, n, finish = _result(path, _post(srv, path, body), False)
     assert finish in ("length", "limit") and 0 < n < CTX
+
+
+def test_chat_template_kwargs_reach_the_template(srv, tokenizer):
+    """``chat_template_kwargs`` (llama-server's and vLLM's) are template variables: a template that reads
+    one renders it (it was accepted and ignored); the template's own variables cannot be replaced."""
+    import copy
+
+    tok = copy.copy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs) == "hi"
+    assert tok.apply_chat_template(msgs, template_kwargs={"enable_thinking": False}) == "hi<no-think>"
+    body = {"messages": msgs, "chat_template_kwargs": {"enable_thinking": False}}
+    r = _post(srv, "/apply-template", body)
+    assert r.status_code == 200 and r.json()["prompt"] == tokenizer.apply_chat_template(msgs), r.text
+    for path in ("/apply-template", "/v1/chat/completions"):
+        r = _post(srv, path, {**body, "chat_template_kwargs": {"messages": []}, "max_tokens": 2})
+        assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"], r.text

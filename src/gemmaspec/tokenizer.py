@@ -257,13 +257,17 @@ class GemmaTokenizer:
         return self.backend.get_vocab()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final: bool = False) -> str:
+                            continue_final: bool = False, template_kwargs: dict | None = None) -> str:
         """Render chat ``messages`` ([{"role": "user"|"system"|"assistant", "content": str}]) as text.
 
         ``continue_final``: the last message (an assistant's) is left open, so the model continues
         it: the text up to where the template puts its content, then the content as given (no end
         of turn, no generation prompt; llama-server's assistant prefill, vLLM's
         ``continue_final_message``).
+
+        ``template_kwargs``: more variables for the template (llama-server's and vLLM's
+        ``chat_template_kwargs``, e.g. ``{"enable_thinking": false}`` for a template that reads it);
+        they cannot replace the ones set here (``messages``, ``add_generation_prompt``, ``bos_token``...).
 
         Raises:
             InputError: a message without role/content, a role the template rejects, or (with
@@ -296,7 +300,7 @@ class GemmaTokenizer:
 
             now = datetime.datetime.now()
             text = env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}), messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.id_to_token(self.bos_id), eos_token=self.id_to_token(self.eos_id),
                 date_string=now.strftime("%d %b %Y"), datetime=now.strftime("%b %d %Y"))  # as llama.cpp gives them
         except jinja2.TemplateError as exc:
@@ -337,9 +341,10 @@ class GemmaTokenizer:
         return self._special_ids
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final: bool = False) -> list[int]:
+                    continue_final: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """Ids of the rendered chat prompt (the template writes BOS itself, so none is added);
-        ``add_generation_prompt`` and ``continue_final`` as in :meth:`apply_chat_template`.
+        ``add_generation_prompt``, ``continue_final`` and ``template_kwargs`` as in
+        :meth:`apply_chat_template`.
 
         Message contents are text: a control-token spelling inside one (``<end_of_turn>`` typed by a
         user) is tokenized as characters, so a message cannot forge a turn. Only the template's own
@@ -349,7 +354,8 @@ class GemmaTokenizer:
             InputError: bad messages (see :meth:`apply_chat_template`), or a template that changes
                 message content in a way that hides where it lies while the content spells a control token.
         """
-        opts = {"add_generation_prompt": add_generation_prompt, "continue_final": continue_final}
+        opts = {"add_generation_prompt": add_generation_prompt, "continue_final": continue_final,
+                "template_kwargs": template_kwargs}
         text = self.apply_chat_template(messages, **opts)
         bos = self.id_to_token(self.bos_id)
         specials = self.special_ids

@@ -367,6 +367,15 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         messages = render_history(chat_messages(req), req.messages)
         return with_tools_prompt(messages, spec) if spec is not None else messages
 
+    def template_kwargs(req) -> dict | None:
+        """``chat_template_kwargs``: more variables for the chat template, as llama-server and vLLM
+        take them (the template's own ones, ``messages`` and the like, cannot be replaced: a 400)."""
+        kw = req.chat_template_kwargs
+        fixed = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "date_string", "datetime"}
+        if kw and fixed.intersection(kw):
+            raise APIError(400, f"chat_template_kwargs cannot set {', '.join(sorted(fixed.intersection(kw)))}")
+        return kw or None
+
     def chat_ids(req, body: dict) -> tuple[list[int], object]:
         """A chat request's prompt ids (and its tools): rendered with the template, the generation
         prompt or the continuation of a final assistant message as the request says."""
@@ -374,7 +383,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         messages = chat_prompt(req, spec)
         agp, cont = continuation(req)
         try:
-            return info["engine"].tokenizer.encode_chat(messages, add_generation_prompt=agp, continue_final=cont), spec
+            return info["engine"].tokenizer.encode_chat(messages, add_generation_prompt=agp, continue_final=cont,
+                                                        template_kwargs=template_kwargs(req)), spec
         except GemmaspecError as exc:
             raise APIError(400, str(exc)) from None
 
@@ -387,7 +397,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         agp, cont = continuation(req)
         try:
             return {"prompt": info["engine"].tokenizer.apply_chat_template(
-                messages, add_generation_prompt=agp, continue_final=cont)}
+                messages, add_generation_prompt=agp, continue_final=cont, template_kwargs=template_kwargs(req))}
         except GemmaspecError as exc:
             raise APIError(400, str(exc)) from None
 

@@ -98,6 +98,7 @@ class ChatRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict | None = None  # more template variables (llama-server's, vLLM's)
 
 
 # Fields that change what a client gets and that gemmaspec does not implement: refused with a 400 that
