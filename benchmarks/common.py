@@ -65,6 +65,20 @@ def machine() -> dict:
             "python": platform.python_version(), "platform": platform.platform()}
 
 
+def resident_bytes(path) -> int:
+    """Resident bytes of this process's mappings of the file ``path`` (Linux ``/proc/self/smaps``; pass
+    the path as the kernel shows it, e.g. ``os.path.realpath``)."""
+    total, cur = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            p = line.split()
+            if "-" in p[0] and len(p) >= 5 and ":" in p[3]:
+                cur = len(p) > 5 and p[5] == str(path)
+            elif cur and p[0] == "Rss:":
+                total += int(p[1]) * 1024
+    return total
+
+
 def bench_dir() -> Path:
     """``$GEMMASPEC_HOME/bench``: the benchmarks' own venvs, wheels and converted models."""
     d = cache_home() / "bench"

@@ -90,16 +90,7 @@ def rss():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
 
-def mapped(path):  # resident bytes of this process's mappings of ``path``
-    total, cur = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            p = line.split()
-            if "-" in p[0] and len(p) >= 5 and ":" in p[3]:
-                cur = len(p) > 5 and p[5] == path
-            elif cur and p[0] == "Rss:":
-                total += int(p[1]) * 1024
-    return total
+from common import resident_bytes  # the child runs in benchmarks/ (python -c puts it first on sys.path)
 
 from gemmaspec.loader import load_engine  # the bare runtime: every module imported, the kernel loaded,
 from gemmaspec.sampling import SamplingParams  # small tensor ops run (their code pages), no model
@@ -121,7 +112,7 @@ list(eng.generate(ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=
 time.sleep(1.5)  # ... and releases the stored pages within 0.5 s
 kv = sum(t.nbytes for lk in eng.cache.layers if lk is not None for t in (lk.k, lk.v))
 print(json.dumps({"bare": bare, "after_load": after_load, "steady": rss(), "file": os.path.getsize(path),
-                  "file_resident": mapped(os.path.realpath(path)), "kv": kv}))
+                  "file_resident": resident_bytes(os.path.realpath(path)), "kv": kv}))
 """
 
 
@@ -133,8 +124,8 @@ def model_memory(path, threads: int, n: int = 64) -> dict:
     run once on small tensors, so their code pages count as the runtime's; no model). Also the file size, the part
     of the file resident in the process, and the KV cache's size (its pages are touched only as
     positions fill, so the steady RSS holds only a little of it). Fresh process; Linux (/proc)."""
-    r = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(path), str(n), str(threads)], capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, os.path.abspath(str(path)), str(n), str(threads)],
+                       capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.abspath(__file__)))
     if r.returncode != 0:
         raise RuntimeError(f"memory measurement failed: {r.stderr[-1000:]}")
     d = json.loads(r.stdout.strip().splitlines()[-1])

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import machine, write_results
+from common import machine, resident_bytes, write_results
 
 from gemmaspec.paths import cache_home
 
@@ -120,18 +120,6 @@ def child(target: str, assistant: str | None, ctx: int) -> dict:
             list(engine.generate([engine.tokenizer.bos_id, 1000, 1001], params4, drafter=drafter,
                                  n_max=2 if drafter else 0))
 
-    def resident(path):
-        """Resident MiB of this process's mappings of ``path``."""
-        total, cur = 0, False
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                p = line.split()
-                if "-" in p[0] and len(p) >= 5 and ":" in p[3]:
-                    cur = len(p) > 5 and p[5] == path
-                elif cur and p[0] == "Rss:":
-                    total += int(p[1])
-        return total / 1024
-
     params4 = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine = load_engine(target, ctx_size=ctx + 64, device="cpu", threads=2)
     settle()
@@ -151,7 +139,7 @@ def child(target: str, assistant: str | None, ctx: int) -> dict:
             "rss_target_mib": target_mib, "rss_loaded_mib": loaded, "peak_generating_mib": peak, "rss_end_mib": rss(),
             "file_mib": Path(assistant).stat().st_size / 2**20 if assistant else 0.0,
             "weights_held_mib": held,
-            "file_resident_mib": resident(os.path.realpath(assistant)) if assistant else 0.0}
+            "file_resident_mib": resident_bytes(os.path.realpath(assistant)) / 2**20 if assistant else 0.0}
 
 
 def main():
