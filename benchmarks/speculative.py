@@ -3,7 +3,8 @@
 A thin caller of `gemmaspec bench` (one measuring code path): one process, engine loaded once, one
 user; greedy, --n tokens per request (EOS ignored) over the prompts below (three per text kind),
 --repeats times with the configurations taking turns; ngram-simple (and draft-simple with -md, and
-draft-mtp with the assistant shipped for the default model or --mtp PATH) at n-max 1, 2, 3, 4 and
+draft-mtp with the assistant shipped for the default model or --mtp PATH, and the two as one list:
+ngram-simple,draft-mtp) at n-max 1, 2, 3, 4 and
 auto, against no speculation; llama.cpp (llama-cpp-python, plain and its prompt-lookup decoding) side
 by side unless --no-llama. Figures are defined in docs/benchmarks.md; with MTP, the cost of one
 assistant draft step is measured after the sweep (mtp_step.json).
@@ -89,6 +90,7 @@ def main():
     model = a.model or str(default_model_path())
     mtp = None if a.mtp == "none" else (shipped_assistant(model) if a.mtp == "default" else a.mtp)
     types = ["ngram-simple"] + (["draft-simple"] if a.model_draft else []) + (["draft-mtp"] if mtp else [])
+    types += ["ngram-simple+draft-mtp"] if mtp else []  # n-gram where it matches, the assistant elsewhere
     with tempfile.TemporaryDirectory() as tmp:
         suite = Path(tmp) / "speculative.jsonl"
         suite.write_text("".join(json.dumps({"kind": k, "prompt": p}) + "\n" for k, ps in PROMPTS.items() for p in ps))
@@ -123,7 +125,8 @@ def mtp_step_cost(engine, drafter, params) -> dict:
 
     asst = drafter.assistant
     times = []
-    orig = asst.draft_step
+    name = "draft_step_p" if drafter.p_min > 0 else "draft_step"  # what MTPDrafter calls
+    orig = getattr(asst, name)
 
     def timed(*args, **kw):
         t = time.perf_counter()
@@ -132,13 +135,13 @@ def mtp_step_cost(engine, drafter, params) -> dict:
         return r
 
     ids = engine.tokenizer.encode(PROMPTS["prose"][0])
-    asst.draft_step = timed
+    setattr(asst, name, timed)
     try:
         st = RequestStats()
         for _ev in engine.generate(ids, params, drafter, 3, st):
             pass
     finally:
-        del asst.draft_step
+        delattr(asst, name)
     plain = RequestStats()
     for _ev in engine.generate(ids, params, None, 0, plain):
         pass

@@ -15,7 +15,7 @@ from gemmaspec.sampling import SamplingParams
 def mtp(engine):
     if kernels.load_library() is None:
         pytest.skip("no C kernel on this machine")
-    return load_drafter("draft-mtp", engine)
+    return load_drafter("draft-mtp", engine, None, 0.0)  # p-min 0: every draft through draft_step
 
 
 @pytest.mark.parametrize("act", ["none", "q8_0"])
@@ -32,7 +32,11 @@ def test_c_step_equals_the_per_op_step(engine, mtp, act, monkeypatch):
             m.setattr(assistant_step, "run_step", lambda *args, **kw: None)
             hidden, next_h = a.step_hidden(x_embed, h, position, kv, rope)  # the per-op path
         assert torch.equal(got[0], hidden) and torch.equal(got[1], next_h), position
-        assert got[2] == a.draft_token(hidden) == int(a.logits(hidden).argmax())
+        assert got[2][0] == a.draft_token(hidden) == int(a.logits(hidden).argmax())
+        from gemmaspec.models.base import linear
+
+        p_ref = float(torch.softmax(linear(a.head, hidden[None])[0].double(), -1).max())
+        assert abs(got[2][1] - p_ref) < 1e-6 * max(1.0, p_ref), (got[2][1], p_ref)  # the draft's probability
         seen["calls"] += 1
         seen["masked"] += any(m is not None and not bool(m.all()) for _, _, m in kv.values())
         seen["positions"].add(position)

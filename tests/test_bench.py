@@ -427,7 +427,7 @@ def test_url_mode_against_gemmaspec_serve(tmp_path, capsys, server):
                "--repeats", "1", "--max-tokens", "6", "--out", str(out), "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     res = json.loads((out / "results.json").read_text())
-    assert res["targets"][0]["metrics"] is True and res["targets"][0]["props"]["speculative"]["type"] == "ngram-simple"
+    assert res["targets"][0]["metrics"] is True and res["targets"][0]["props"]["speculative"]["type"] == "ngram-simple,draft-mtp"
     assert len(res["phases"]) == 4
     for ph in res["phases"]:
         for r in ph["requests"]:

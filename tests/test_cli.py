@@ -131,6 +131,41 @@ def test_speculative_flags_and_acceptance_line(model_path):
     assert auto.returncode == 0 and auto.stdout == plain.stdout
 
 
+def test_a_spec_type_list_drafts_with_ngram_then_the_draft_model(model_path, tmp_path):
+    """``--spec-type draft-simple,ngram-simple`` (llama.cpp's comma-separated list, either order): n-gram
+    lookup drafts where it matches, the draft model elsewhere; the output is plain greedy's; stderr has
+    llama.cpp's per-drafter statistics lines, ``--json`` their counts; the server takes the same list."""
+    import json
+
+    import httpx
+
+    from conftest import ServerProcess
+
+    base = ("generate", "-m", str(model_path), "-p", "The capital of France is Paris. The capital of Italy is", "-n", "24",
+            "--temp", "0")
+    plain = run_cli(*base)
+    res = run_cli(*base, "-md", str(model_path), "--spec-type", "draft-simple,ngram-simple", "--spec-draft-n-max", "3",
+                  "--json")
+    assert res.returncode == 0, res.stderr
+    text, record = res.stdout.rsplit("\n", 2)[0], json.loads(res.stdout.strip().splitlines()[-1])
+    assert plain.stdout.startswith(text) and record["spec_type"] in (None, "ngram-simple,draft-simple")
+    by = record["by_drafter"]
+    assert set(by) == {"ngram-simple", "draft-simple"} and by["draft-simple"]["acceptance_rate"] == 1.0
+    assert sum(v["draft_n"] for v in by.values()) == record["drafted"]
+    assert "statistics ngram-simple: #gen drafts = " in res.stderr and "statistics draft-simple: " in res.stderr
+    bad = run_cli(*base, "--spec-type", "draft-simple,draft-mtp")
+    assert bad.returncode != 0 and "one model type" in bad.stderr
+    s = ServerProcess(tmp_path, "-np", "1", "-c", "512", "-md", str(model_path), "--spec-type", "ngram-simple,draft-simple")
+    try:
+        props = httpx.get(s.url + "/props", timeout=30).json()
+        assert props["speculative"]["type"] == "ngram-simple,draft-simple"
+        r = httpx.post(s.url + "/completion", json={"prompt": "The capital of France is Paris. The capital of Italy is",
+                                                      "n_predict": 24, "temperature": 0}, timeout=120).json()
+        assert plain.stdout.startswith(r["content"]) and r["timings"]["draft_n"] > 0
+    finally:
+        s.close()
+
+
 def test_draft_model_with_itself_accepts_everything(model_path):
     res = run_cli("generate", "-m", str(model_path), "-md", str(model_path), "--spec-type", "draft-simple",
                   "-p", "The capital of France is", "-n", "13", "--temp", "0", "--spec-draft-n-max", "3")

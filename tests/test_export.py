@@ -80,3 +80,16 @@ def test_ngram_and_errors(capsys, dirs, model_path):
     assert cfg["method"] == "ngram" and cfg["num_speculative_tokens"] == 3
     assert cli.main(["export", "llama-server", "-m", str(t)]) == 1  # a directory: llama-server needs GGUF
     assert "convert" in capsys.readouterr().err
+
+
+def test_a_spec_type_list_goes_to_llama_server_only(capsys, dirs, model_path):
+    """``--spec-type draft-simple,ngram-simple``: llama-server takes the comma-separated list (in its
+    order, draftless first); vLLM and SGLang take one method, so the list is refused by name."""
+    argv = _run(capsys, "llama-server", "-m", str(model_path), "-md", str(model_path), "--spec-type",
+                "draft-simple,ngram-simple", "--spec-draft-n-max", "2")
+    assert argv[argv.index("--spec-type") + 1] == "ngram-simple,draft-simple"
+    t, a = dirs
+    assert cli.main(["export", "vllm", "-m", str(t), "-md", str(a), "--spec-type", "ngram-simple,draft-mtp"]) == 1
+    assert "vllm takes one speculative method" in capsys.readouterr().err
+    assert cli.main(["export", "llama-server", "-m", str(model_path), "--spec-type", "ngram-simple,draft-mtp"]) == 1
+    assert "needs -md" in capsys.readouterr().err

@@ -115,4 +115,6 @@ def run_chat(engine, drafter, params, n_max=0, n_min: int = 0, system: str | Non
             print(stats_line(stats), file=err)
             if spec:
                 print(stats.spec.llama_line(), file=err)
+                for line in stats.spec.drafter_lines():
+                    print(line, file=err)
         turns.append({"role": "assistant", "content": "".join(reply)})

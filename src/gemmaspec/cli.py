@@ -20,7 +20,7 @@ import sys
 import time
 
 from .errors import GemmaspecError, InputError
-from .speculative.options import SPEC_TYPES, parse_n_max
+from .speculative.options import SPEC_TYPES, parse_n_max, parse_spec_type
 
 _CHAT_HINT = "gemmaspec generate answers one prompt; for a conversation use `gemmaspec chat`"
 
@@ -101,19 +101,30 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     _refuse(p, LLAMA_FLAGS_REFUSED)
 
 
+def _spec_type_arg(value: str) -> str:
+    """argparse ``type`` of ``--spec-type``: the canonical spelling, or argparse's usage error."""
+    try:
+        return parse_spec_type(value)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_spec(p: argparse.ArgumentParser, default: str | None = "none", help_default: str = "default none") -> None:
     sp = p.add_argument_group("speculative decoding (llama-server's flags)")
-    sp.add_argument("--spec-type", default=None, choices=SPEC_TYPES,
-                    help=f"drafter ({help_default}; with -md and no --spec-type: draft-mtp for an assistant, "
-                         "draft-simple for a model, as llama.cpp)")
+    sp.add_argument("--spec-type", default=None, type=_spec_type_arg, metavar="TYPE[,TYPE]",
+                    help=f"drafter: {', '.join(SPEC_TYPES)}, or n-gram lookup with a model type, e.g. "
+                         f"ngram-simple,draft-mtp (n-gram drafts where it finds a match, the assistant elsewhere, "
+                         f"as llama.cpp's comma-separated list) ({help_default}; with -md and no --spec-type: "
+                         "draft-mtp for an assistant, draft-simple for a model, as llama.cpp)")
     p.set_defaults(spec_type_default=default)
     sp.add_argument("--spec-draft-n-max", "--draft-max", default=None,
                     help="most draft tokens per round, or 'auto' to adapt per request (default: the known model's "
                          "recommendation, see gemmaspec models; else 3)")
     sp.add_argument("--spec-draft-n-min", "--draft-min", type=int, default=0,
                     help="proposals shorter than this are not verified (default 0)")
-    sp.add_argument("--spec-draft-p-min", "--draft-p-min", type=float, default=0.0,
-                    help="draft model stops drafting below this top probability (default 0)")
+    sp.add_argument("--spec-draft-p-min", "--draft-p-min", type=float, default=None,
+                    help="a round's drafting (draft model or MTP assistant) stops at a draft whose probability is "
+                         "below this (default 0; for an assistant gemmaspec ships, the value measured best for it)")
     sp.add_argument("-md", "--model-draft", default=None,
                     help="assistant (draft-mtp) or draft model (draft-simple): file, directory or known model name")
     sp.add_argument("--spec-ngram-size", type=int, default=4, help="longest n-gram to match (default 4)")
@@ -347,6 +358,8 @@ def _cmd_generate(args) -> int:
     print(stats_line(stats, load_s), file=sys.stderr)
     if args.spec_type != "none":
         print(stats.spec.llama_line(), file=sys.stderr)
+        for line in stats.spec.drafter_lines():
+            print(line, file=sys.stderr)
     return 0
 
 

@@ -271,7 +271,8 @@ class RequestState:
             drafts = drafts[:self.constraint.valid_prefix(drafts)]
         if len(drafts) < max(self.n_min, 1):
             drafts = []
-        self._round = (start, drafts, draft.dists if draft else None, t_round, t_drafted)
+        self._round = (start, drafts, draft.dists if draft else None, t_round, t_drafted,
+                       draft.source if draft else "")
         return RoundInput(torch.tensor(self.tokens[-1:] + drafts), bool(drafts))
 
     def finish_round(self, out) -> list[Event]:
@@ -280,7 +281,7 @@ class RequestState:
         stops token by token and roll the cache back to what was kept."""
         if self._round is None:
             raise RuntimeError("finish_round() without begin_round()")
-        start, drafts, dists, t_round, t_drafted = self._round
+        start, drafts, dists, t_round, t_drafted, source = self._round
         self._round = None
         st, stop = self.stats, self.stop
         c, masks = self.constraint, None
@@ -311,7 +312,7 @@ class RequestState:
         self.cache.rollback(start + kept)
         self.tokens.extend(new[:kept])
         st.generated_tokens += kept
-        st.spec.record(len(drafts), min(verdict.n_accepted, kept))
+        st.spec.record(len(drafts), min(verdict.n_accepted, kept), source)
         self.hidden = out.hidden[min(kept, verdict.n_accepted)] if kept else self.hidden
         self._t_last = time.perf_counter()
         if self.controller:

@@ -35,8 +35,10 @@ def add_export_parser(sub) -> None:
     e.add_argument("-md", "--model-draft", default=None, help="assistant or draft model")
     e.add_argument("-c", "--ctx-size", type=int, default=None, help="context per sequence (default 4096 or the model's)")
     e.add_argument("-np", "--parallel", type=int, default=1, help="sequences served at once (default 1)")
-    e.add_argument("--spec-type", default=None, choices=["none", "ngram-simple", "draft-simple", "draft-mtp"],
-                   help="drafter (default: draft-mtp for an assistant -md, draft-simple for a model, else none)")
+    e.add_argument("--spec-type", default=None, metavar="TYPE[,TYPE]",
+                   help="drafter: none, ngram-simple, draft-simple, draft-mtp, or (llama-server only) n-gram lookup "
+                        "with a model type, e.g. ngram-simple,draft-mtp (default: draft-mtp for an assistant -md, "
+                        "draft-simple for a model, else none)")
     e.add_argument("--spec-draft-n-max", "--draft-max", default=None,
                    help="draft tokens per round (default: the catalog's recommendation, else 3)")
     e.add_argument("--spec-ngram-size", type=int, default=4, help="longest n-gram (ngram-simple; default 4)")
@@ -112,8 +114,16 @@ def build_command(args) -> list[str]:
     n = parse_n_max(args.spec_draft_n_max)
     if n == "auto":
         raise InputError("--spec-draft-n-max auto is gemmaspec's own; give the exported server a number")
-    if spec in ("draft-simple", "draft-mtp") and not args.model_draft:
+    from .speculative.options import parse_spec_type, spec_model_type
+
+    spec = parse_spec_type(spec)
+    if spec == "default":
+        raise InputError("--spec-type default is gemmaspec's own; name the types for the exported server")
+    if spec_model_type(spec) and not args.model_draft:
         raise InputError(f"--spec-type {spec} needs -md")
+    if "," in spec and args.server != "llama-server":
+        raise InputError(f"{args.server} takes one speculative method; a list (--spec-type {spec}) is llama-server's "
+                         f"and gemmaspec's: export one of {spec.replace(',', ', ')}")
     if args.parallel < 1:
         raise InputError(f"-np must be at least 1 (got {args.parallel})")
     if args.server == "llama-server":

@@ -14,7 +14,7 @@ from .errors import GemmaspecError, InputError
 from .kernels import load_library
 from .loading import load_checkpoint
 from .quant.qat import looks_qat
-from .speculative.options import SPEC_TYPES
+from .speculative.options import SPEC_TYPES, parse_spec_type, spec_model_type, spec_parts
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -86,7 +86,7 @@ def _load_engine(path, ctx_size, device, threads) -> Engine:
     return engine
 
 
-def load_drafter(spec_type: str | None, engine: Engine, draft_model: str | None = None, p_min: float = 0.0,
+def load_drafter(spec_type: str | None, engine: Engine, draft_model: str | None = None, p_min: float | None = None,
                  ngram_max: int = 4, ngram_min: int = 1):
     """The drafter for ``--spec-type``, for requests run in the engine's own cache.
 
@@ -99,7 +99,7 @@ def load_drafter(spec_type: str | None, engine: Engine, draft_model: str | None 
 from .loading.shipped import shipped_assistant, shipped_assistant_entry  # noqa: E402,F401
 
 
-def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | None = None, p_min: float = 0.0,
+def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | None = None, p_min: float | None = None,
                     ngram_max: int = 4, ngram_min: int = 1):
     """Load what ``--spec-type`` needs once (a draft model, an assistant) and return
     ``(spec_type, make)`` with ``make(cache) -> Drafter``: a fresh drafter for requests that run in
@@ -107,7 +107,12 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
     needs its own; a draft model's weights are shared, each drafter gets its own draft cache).
 
     ``spec_type`` None picks llama-server's default: ``ngram-simple`` without ``-md``; with ``-md``,
-    ``draft-mtp`` when it is an assistant checkpoint and ``draft-simple`` when it is a model.
+    ``draft-mtp`` when it is an assistant checkpoint and ``draft-simple`` when it is a model. A list
+    (``ngram-simple,draft-mtp``, see :func:`~gemmaspec.speculative.options.parse_spec_type`) gives a
+    :class:`~gemmaspec.speculative.drafters.ChainDrafter` of each type's drafter; ``default`` may
+    resolve to one (the shipped assistant's ``default_spec``). ``p_min`` None: the drafter's default
+    (0 for a draft model and an assistant, the ``p_min`` measured for an assistant gemmaspec ships);
+    ``make.p_min`` says the value in use.
 
     Raises:
         InputError: unknown type, missing or incompatible ``-md`` model, bad values.
@@ -115,22 +120,33 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
     from .speculative.drafters import (DraftModelDrafter, MTPDrafter, NgramDrafter, NoDrafter, check_mtp_pair,
                                        check_same_vocabulary)
 
-    if spec_type is not None and spec_type not in SPEC_TYPES:
-        raise InputError(f"--spec-type must be one of {', '.join(SPEC_TYPES)} (got {spec_type})")
-    if not 0.0 <= p_min <= 1.0:
+    spec_type = parse_spec_type(spec_type)
+    if p_min is not None and not 0.0 <= p_min <= 1.0:
         raise InputError(f"--spec-draft-p-min must be in [0, 1] (got {p_min})")
-    if spec_type not in (None, "draft-simple", "draft-mtp") and draft_model:
-        raise InputError(f"-md is used by --spec-type draft-simple or draft-mtp, not {spec_type}")
+    if draft_model and spec_type is not None and spec_model_type(spec_type) is None:
+        raise InputError(f"-md is used by --spec-type draft-simple or draft-mtp (alone or after ngram-simple, "
+                         f"e.g. ngram-simple,draft-mtp), not {spec_type}")
     if spec_type in (None, "default") and not draft_model:
         entry = shipped_assistant_entry(getattr(engine, "model_path", None))
-        if entry and entry.get("default_spec") == "draft-mtp":
-            spec_type, draft_model = "draft-mtp", entry["path"]
-            print(f"speculation: draft-mtp with the assistant shipped for this model ({entry['file']}; "
+        default = (entry or {}).get("default_spec", "ngram-simple")
+        if entry and "draft-mtp" in spec_parts(default):
+            spec_type, draft_model = default, entry["path"]
+            print(f"speculation: {default} with the assistant shipped for this model ({entry['file']}; "
                   f"{entry.get('why', '')})", file=sys.stderr)
         else:
             if entry:
                 print(f"speculation: ngram-simple ({entry.get('why', '')})", file=sys.stderr)
             spec_type = "ngram-simple"
+    if spec_type is not None and "," in spec_type:  # a list: each type's drafter, first proposal wins
+        from .speculative.drafters import ChainDrafter
+
+        model_type = spec_model_type(spec_type)
+        parts = [drafter_factory(t, engine, draft_model if t == model_type else None, p_min, ngram_max, ngram_min)
+                 for t in spec_parts(spec_type)]
+        name = ",".join(real for real, _ in parts)
+        make = lambda cache: ChainDrafter([m(cache) for _, m in parts])  # noqa: E731
+        make.p_min = max(getattr(m, "p_min", 0.0) for _, m in parts)
+        return name, make
     if spec_type == "none":
         return spec_type, lambda cache: NoDrafter()
     if spec_type == "ngram-simple":
@@ -152,9 +168,18 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
         warning = qat_mismatch_warning(engine.model, assistant)
         if warning:
             print(warning, file=sys.stderr)
-        return "draft-mtp", lambda cache: MTPDrafter(assistant, engine.model, cache)
+        if p_min is None:  # an assistant gemmaspec ships: the p-min measured for it
+            entry = shipped_assistant_entry(getattr(engine, "model_path", None))
+            same = entry is not None and Path(entry["path"]).resolve() == Path(draft_model).resolve()
+            p_min = float(entry.get("p_min", 0.0)) if same else 0.0
+        make = lambda cache: MTPDrafter(assistant, engine.model, cache, p_min)  # noqa: E731
+        make.p_min = p_min
+        return "draft-mtp", make
     check_same_vocabulary(engine.tokenizer, draft.tokenizer)
-    return "draft-simple", lambda cache: DraftModelDrafter(draft.model, engine.ctx_size, p_min)
+    p_min = 0.0 if p_min is None else p_min
+    make = lambda cache: DraftModelDrafter(draft.model, engine.ctx_size, p_min)  # noqa: E731
+    make.p_min = p_min
+    return "draft-simple", make
 
 
 def resolve_models(args) -> None:

@@ -24,7 +24,8 @@ def stats_record(stats, load_s: float, spec_type: str, n_max) -> dict:
     (milliseconds); ``load_s`` (seconds: model load and preparation); ``stop_reason`` ("eos", "stop",
     "length", "context"); ``truncated`` (a context shift cut the prompt or dropped tokens); ``seed``; ``spec_type``, ``n_max`` (int or "auto"); ``drafted``, ``accepted``
     (draft tokens), ``verify_steps``, ``acceptance_rate`` (accepted / drafted, 0 when none drafted) and
-    ``mean_accepted_length`` (tokens per verify step, the target's own token included).
+    ``mean_accepted_length`` (tokens per verify step, the target's own token included); with a list of
+    types (``ngram-simple,draft-mtp``) also ``by_drafter``: those counts per drafter.
     """
     sp = stats.spec
     return {
@@ -36,4 +37,4 @@ def stats_record(stats, load_s: float, spec_type: str, n_max) -> dict:
         "truncated": stats.truncated, "seed": stats.seed, "spec_type": spec_type, "n_max": n_max, "drafted": sp.drafted, "accepted": sp.accepted,
         "verify_steps": sp.steps, "acceptance_rate": round(sp.acceptance_rate, 5),
         "mean_accepted_length": round(sp.mean_accepted_length, 4),
-    }
+    } | ({"by_drafter": sp.to_dict()["by_drafter"]} if sp.by_drafter else {})

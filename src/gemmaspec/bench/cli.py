@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
-from ..speculative.options import SPEC_TYPES, parse_n_max
+from ..speculative.options import SPEC_TYPES, parse_n_max, parse_spec_type
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -40,7 +40,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--prompts-per-kind", type=int, default=None, help="first N prompts of each kind (default: all)")
     b.add_argument("--spec-type", default=None,
                    help=f"comma-separated drafters to measure ({', '.join(t for t in SPEC_TYPES if t != 'none')}; "
-                        "default: the -md files' types, else 'default' in-process; a label with --url)")
+                        "a drafter list joined by +, e.g. ngram-simple+draft-mtp: n-gram lookup where it matches, the "
+                        "assistant elsewhere; default: the -md files' types, else 'default' in-process; a label with --url)")
     b.add_argument("--spec-draft-n-max", default="0,1,2,3,4,auto",
                    help="draft lengths to sweep; 0 (no speculation, the baseline) is always run (default 0,1,2,3,4,auto)")
     b.add_argument("--users", default="1,2,4,8", help="concurrent users to sweep (default 1,2,4,8)")
@@ -96,7 +97,9 @@ def parse_settings(args) -> dict:
     else:
         types = ["server"] if args.url else [] if args.model_draft else ["default"]  # []: the -md files' types
     if not args.url:
-        bad = [t for t in types if t not in SPEC_TYPES or t == "none"]
+        bad = [t for t in types if t not in SPEC_TYPES and "+" not in t or t == "none"]
+        if not bad:  # "ngram-simple+draft-mtp": one drafter list (generate's ngram-simple,draft-mtp)
+            types = [parse_spec_type(t) for t in types]
         if bad:
             raise InputError(f"--spec-type must name drafters among {', '.join(t for t in SPEC_TYPES if t != 'none')} "
                              f"(got {', '.join(bad)}); no speculation (n-max 0) is always run")

@@ -115,8 +115,11 @@ class InProcessTarget:
                     raise InputError(f"--spec-type {st} needs {what} as -md{have}")
                 (make, d), real = by_type[st], st
                 self.drafts[real] = str(d)
-            else:
-                real, make = drafter_factory(st, self.engine, None)
+            else:  # a draftless type, or a list ("ngram-simple,draft-mtp") with the -md of its model type
+                from ..speculative.options import spec_model_type
+
+                mt = spec_model_type(st)
+                real, make = drafter_factory(st, self.engine, str(by_type[mt][1]) if mt in by_type else None)
             if real not in self.schedulers:
                 self.spec_types.append(real)
                 self.schedulers[real] = self._start(make, n_slots)

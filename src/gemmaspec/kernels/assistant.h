@@ -29,12 +29,13 @@ static inline void prod1(const gs_prod *p, int K, const float *x, float *y, int 
  * hidden [D] (the final-norm state the head scores) and next_h [Hb] (the post-projection the next
  * step reads). head (or NULL): a reduced head of n_head rows whose target ids are token_map [n_head];
  * then *best = the greedy draft: the lowest target id among the rows of the highest score (what
- * argmax over the target-vocabulary logits gives). Returns 0, or -1 when scratch memory could not be
+ * argmax over the target-vocabulary logits gives), and *p_best (when not NULL) its probability under
+ * the softmax over the n_head rows (1 / sum exp(score - best score)). Returns 0, or -1 when scratch memory could not be
  * had or attention refused its shape (the caller runs the per-op path). */
 int gs_assistant_step(int nl, const gs_alayer *layers, const gs_prod *pre, const gs_prod *post, const float *out_norm,
                       const float *in, int Hb, int D, int hq, int hkv, int F, float eps, float *hidden, float *next_h,
-                      const gs_prod *head, int n_head, const int64_t *token_map, int64_t *best, int nthreads,
-                      int act_q8) {
+                      const gs_prod *head, int n_head, const int64_t *token_map, int64_t *best, float *p_best,
+                      int nthreads, int act_q8) {
     int maxhd = 0;
     for (int l = 0; l < nl; l++) maxhd = layers[l].hd > maxhd ? layers[l].hd : maxhd;
     const size_t qn = (size_t)hq * maxhd;
@@ -77,6 +78,11 @@ int gs_assistant_step(int nl, const gs_alayer *layers, const gs_prod *pre, const
             else if (scores[i] == mx && token_map[i] < tok) tok = token_map[i];
         }
         *best = tok;
+        if (p_best) {
+            double z = 0.0; /* in order, double: the same value on every ISA */
+            for (int i = 0; i < n_head; i++) z += exp((double)scores[i] - (double)mx);
+            *p_best = (float)(1.0 / z);
+        }
         free(scores);
     }
     return 0;

@@ -74,7 +74,8 @@ def _static(assistant, lib, q8: bool):
 def run_step(assistant, x_embed: torch.Tensor, h: torch.Tensor, kv: dict, rope: dict, token: bool = False):
     """``(hidden float32 [H], next h float32 [Hb], draft)`` of one draft step through
     ``gs_assistant_step``: ``draft`` the greedy token (:meth:`Gemma4Assistant.draft_token`) when
-    ``token`` and the head is a reduced block-quantized one (scored in the same call), else None. None
+    ``token`` and the head is a reduced block-quantized one (scored in the same call), as
+    ``(token, probability of it under the softmax over the draft vocabulary)``, else None. None
     where the C step does not apply (no C kernel, autograd, another device, weights it does not read,
     keys that are not contiguous float32); the caller then runs the per-op path.
 
@@ -118,13 +119,14 @@ def run_step(assistant, x_embed: torch.Tensor, h: torch.Tensor, kv: dict, rope: 
     next_h = torch.empty(hb, dtype=torch.float32)
     use_head = token and head is not None
     best = torch.full((1,), -1, dtype=torch.int64)
+    p_best = torch.zeros(1, dtype=torch.float32)
     rc = lib.gs_assistant_step(c.num_layers, ctypes.addressof(arr), ctypes.addressof(pre), ctypes.addressof(post),
                                assistant.weights["output_norm.weight"].data_ptr(), inp.data_ptr(), hb,
                                c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size, c.rms_norm_eps,
                                hidden.data_ptr(), next_h.data_ptr(), ctypes.addressof(head[0]) if use_head else None,
                                head[1].numel() if use_head else 0, head[1].data_ptr() if use_head else None,
-                               best.data_ptr(), kernels.threads(), int(q8))
+                               best.data_ptr(), p_best.data_ptr(), kernels.threads(), int(q8))
     del tables
     if rc != 0:
         return None
-    return hidden, next_h, int(best[0]) if use_head else None
+    return hidden, next_h, (int(best[0]), float(p_best[0])) if use_head else None

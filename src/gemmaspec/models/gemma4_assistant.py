@@ -159,7 +159,26 @@ class Gemma4Assistant:
         """``(greedy draft token, next h float32 [Hb])`` of one step: :meth:`draft_token` of
         :meth:`step_hidden`'s hidden state; with a reduced head in the C step, scored in the same call."""
         hidden, next_h, tok = self._step(x_embed, h, position, kv, rope, True)
-        return (self.draft_token(hidden) if tok is None else tok), next_h
+        return (self.draft_token(hidden) if tok is None else tok[0]), next_h
+
+    def draft_step_p(self, x_embed: torch.Tensor, h: torch.Tensor, position: int, kv: dict,
+                     rope: dict | None = None) -> tuple[int, float, torch.Tensor]:
+        """:meth:`draft_step` with the draft's probability: ``(token, p, next h float32 [Hb])``, p the
+        softmax probability of the greedy token over the head's rows (the draft vocabulary of a reduced
+        head, the scored clusters of a clustered one, else the whole vocabulary); what
+        ``--spec-draft-p-min`` compares, as llama.cpp's draft-model loop does."""
+        hidden, next_h, tok = self._step(x_embed, h, position, kv, rope, True)
+        if tok is not None:
+            return tok[0], tok[1], next_h
+        if self.token_map is not None:
+            scores = linear(self.head, hidden[None])[0]
+        else:
+            scores = self.logits(hidden)
+            if self.clustered:  # only the scored clusters' tokens (the rest hold a filler below them all)
+                scores = scores[scores > scores.min()]
+        probs = torch.softmax(scores.double(), dim=-1)
+        t = self.draft_token(hidden)
+        return t, float(probs.max()), next_h
 
     def _step(self, x_embed, h, position, kv, rope, token: bool):
         rope = self.rope_at(position) if rope is None else rope

@@ -81,7 +81,7 @@ class ServeConfig:
     spec_type: str | None = None
     n_max: int | str = 3
     n_min: int = 0
-    p_min: float = 0.0
+    p_min: float | None = None
     ngram_size: int = 4
     ngram_min: int = 1
     ctx_size: int | None = None
@@ -157,6 +157,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             engine.forward_costs()
         names = {path.name, path.stem, str(path), str(cfg.model or "")}
         aliases = sorted({a.strip() for a in (cfg.alias or "").split(",") if a.strip()})
+        info.update(p_min=cfg.p_min if cfg.p_min is not None else getattr(make, "p_min", 0.0))
         info.update(engine=engine, path=path, spec_type=spec, model_id=aliases[0] if aliases else path.name,
                     aliases=aliases, names={n for n in names | set(aliases) if n}, load_s=time.perf_counter() - t0,
                     created=int(time.time()))
@@ -245,7 +246,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 **OFF_SAMPLERS, "stop": list(p.stop), "ignore_eos": p.ignore_eos, "n_probs": 0,
                 "samplers": ["logit_bias", "penalties", "top_k", "top_p", "min_p", "temperature"],
                 "speculative.n_max": cfg.n_max if n_max is None else n_max,
-                "speculative.n_min": cfg.n_min if n_min is None else n_min, "speculative.p_min": cfg.p_min}
+                "speculative.n_min": cfg.n_min if n_min is None else n_min, "speculative.p_min": info["p_min"]}
 
     def describe(job, last=None) -> dict:
         """A slot's llama-server fields: the running request's (``job``), or the last one's
@@ -272,7 +273,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             "total_slots": cfg.n_slots, "model_path": str(info["path"]), "chat_template": e.tokenizer.chat_template,
             "chat_template_caps": {}, "modalities": {"vision": False, "audio": False}, "build_info": fingerprint(),
             "model": info["model_id"], "n_ctx": e.ctx_size, "batched_forward": scheduler.batched,
-            "speculative": {"type": info["spec_type"], "n_max": cfg.n_max, "n_min": cfg.n_min, "p_min": cfg.p_min,
+            "speculative": {"type": info["spec_type"], "n_max": cfg.n_max, "n_min": cfg.n_min, "p_min": info["p_min"],
                             "ngram_size": cfg.ngram_size, "ngram_min": cfg.ngram_min, "draft_model": cfg.draft_model},
         }
 

@@ -66,7 +66,8 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     d.add_argument("--repeat-penalty", type=float, default=None, help="repetition penalty (default 1.0)")
     d.add_argument("-s", "--seed", type=int, default=None, help="seed (default -1: a random seed per request)")
     add_spec(s, default=None,
-             help_default="default ngram-simple; with -md: draft-mtp for a Gemma 4 target, else draft-simple")
+             help_default="default: what ships as fastest for the model (the default model: ngram-simple,draft-mtp), "
+                          "else ngram-simple; with -md: draft-mtp for an assistant, else draft-simple")
     return s
 
 

@@ -21,10 +21,12 @@ class Draft:
     Attributes:
         tokens: draft token ids (0..n_max of them).
         dists: per draft position ``(ids int64 [n], probs float64 [n])``, or None (one-hot drafts).
+        source: which drafter of a :class:`ChainDrafter` proposed them (its ``name``); "" otherwise.
     """
 
     tokens: list[int] = field(default_factory=list)
     dists: list | None = None
+    source: str = ""
 
 
 @dataclass
@@ -114,6 +116,40 @@ class NgramDrafter:
             at = self.index[n].get(tuple(toks[-n:]))
             if at is not None:
                 return Draft(list(toks[at:at + n_max]))
+        return Draft()
+
+
+class ChainDrafter:
+    """Several drafters in order of precedence (``--spec-type ngram-simple,draft-mtp``): each round
+    the first one that proposes anything drafts, the rest are not asked. llama-server's rule when a
+    draft model is combined with a draftless type ("the draftless decoding has higher precedence",
+    llama.cpp ``docs/speculative.md``; ``common/speculative.cpp`` calls its implementations in that
+    order and the first non-empty draft wins). With n-gram lookup first and the MTP assistant second,
+    text that repeats its context is copied (long, nearly free drafts) and new text is predicted.
+
+    The drafters see the same :class:`DraftContext`; each draft says which one made it
+    (``Draft.source``), so the engine keeps acceptance per drafter (``SpecStats.by_drafter``).
+
+    Args:
+        drafters: at least two drafters, highest precedence first.
+    """
+
+    def __init__(self, drafters: list):
+        if len(drafters) < 2:
+            raise ValueError("a chain needs at least two drafters")
+        self.drafters = list(drafters)
+        self.name = ",".join(d.name for d in self.drafters)
+
+    def reset(self) -> None:
+        for d in self.drafters:
+            d.reset()
+
+    def propose(self, ctx: DraftContext, n_max: int) -> Draft:
+        for d in self.drafters:
+            got = d.propose(ctx, n_max)
+            if got.tokens:
+                got.source = d.name
+                return got
         return Draft()
 
 
@@ -212,12 +248,15 @@ class MTPDrafter:
         target: the model it drafts for; it must offer ``embed_row(token)`` and ``kv_layout()``
             (which cache layer the assistant reads per layer type).
         cache: the target's KV cache (the engine's).
+        p_min: stop the round's drafting at a draft whose probability under the assistant's softmax
+            is below this (``--spec-draft-p-min``, as llama.cpp's draft-model loop; 0: never stop early);
+            that draft is not proposed, so a round may propose nothing (a plain step).
     """
 
     name = "draft-mtp"
 
-    def __init__(self, assistant, target, cache):
-        self.assistant, self.target, self.cache = assistant, target, cache
+    def __init__(self, assistant, target, cache, p_min: float = 0.0):
+        self.assistant, self.target, self.cache, self.p_min = assistant, target, cache, p_min
         self.producer = {kind: layer for kind, (layer, _, _) in target.kv_layout().items()}
 
     def reset(self) -> None:
@@ -253,7 +292,12 @@ class MTPDrafter:
         with torch.inference_mode(), ops_on_one_thread():
             rope = self.assistant.rope_at(p)  # every step of the round is at position p
             for _ in range(n_max):
-                tok, h = self.assistant.draft_step(self.target.embed_row(tok), h, p, kv, rope)
+                if self.p_min > 0:
+                    tok, prob, h = self.assistant.draft_step_p(self.target.embed_row(tok), h, p, kv, rope)
+                    if prob < self.p_min:
+                        break
+                else:
+                    tok, h = self.assistant.draft_step(self.target.embed_row(tok), h, p, kv, rope)
                 drafts.append(tok)
         return Draft(drafts)
 

@@ -14,6 +14,54 @@ assistant, and ``default``: what gemmaspec ships as best for this model (``draft
 assistant shipped for it where that was measured faster, else ``ngram-simple``; see
 ``gemmaspec.loader.drafter_factory``)."""
 
+DRAFTLESS_TYPES = ("ngram-simple",)
+"""Types that need no draft model; in a list they come first (llama.cpp's precedence)."""
+
+MODEL_TYPES = ("draft-simple", "draft-mtp")
+"""Types that draft with a model (``-md``, or the assistant shipped for the target); one per list."""
+
+
+def parse_spec_type(value: str | None) -> str | None:
+    """``--spec-type`` → its canonical spelling: one of :data:`SPEC_TYPES`, or a list of types joined
+    by ``,`` (llama.cpp's comma-separated ``--spec-type``; ``+`` is accepted too, for ``gemmaspec bench``
+    whose ``--spec-type`` list measures each entry separately) with at most one model type, put in
+    llama.cpp's order: the draftless type first. A list drafts with its first type that proposes
+    anything in a round (:class:`gemmaspec.speculative.drafters.ChainDrafter`), as llama-server does
+    when a draft model is combined with a draftless type (``docs/speculative.md`` in llama.cpp).
+
+    Raises:
+        InputError: an unknown type, ``none``/``default`` in a list, or two model types.
+    """
+    if value is None:
+        return None
+    parts = [t.strip() for t in str(value).replace("+", ",").split(",") if t.strip()]
+    parts = list(dict.fromkeys(parts))
+    bad = [t for t in parts if t not in SPEC_TYPES]
+    if bad or not parts:
+        raise InputError(f"--spec-type must be one of {', '.join(SPEC_TYPES)}, or a comma-separated list of "
+                         f"{', '.join(DRAFTLESS_TYPES + MODEL_TYPES)} (got {value!r})")
+    if len(parts) == 1:
+        return parts[0]
+    alone = [t for t in parts if t in ("none", "default")]
+    if alone:
+        raise InputError(f"--spec-type {alone[0]} cannot be combined with other types (got {value!r})")
+    models = [t for t in parts if t in MODEL_TYPES]
+    if len(models) > 1:
+        raise InputError(f"--spec-type can combine one model type with n-gram lookup, not {' and '.join(models)} "
+                         "(one -md at a time, as llama.cpp)")
+    return ",".join([t for t in parts if t in DRAFTLESS_TYPES] + models)
+
+
+def spec_parts(spec_type: str | None) -> list[str]:
+    """The types of a canonical ``--spec-type`` (:func:`parse_spec_type`), in drafting order."""
+    return [] if spec_type is None else spec_type.split(",")
+
+
+def spec_model_type(spec_type: str | None) -> str | None:
+    """The model type (``draft-simple``/``draft-mtp``) in a canonical ``--spec-type``, or None."""
+    return next((t for t in spec_parts(spec_type) if t in MODEL_TYPES), None)
+
+
 MAX_DRAFT_TOKENS = 15
 """Largest draft length per round (``--spec-draft-n-max``): a verify forward then runs at most 16
 rows, the batch-invariant C kernel's limit (``kernels.SMALL_M``)."""

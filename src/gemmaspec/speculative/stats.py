@@ -20,6 +20,8 @@ class SpecStats:
         rounds: all target forwards of the decode phase, drafts or not.
         accepted_per_pos: accepted counts by draft position (index 0 = first draft token).
         drafted_per_pos: proposed counts by draft position.
+        by_drafter: with several drafters (``--spec-type ngram-simple,draft-mtp``), the same counters
+            per drafter name for the rounds it drafted (``rounds`` there: rounds it drafted in).
     """
 
     drafted: int = 0
@@ -28,11 +30,16 @@ class SpecStats:
     rounds: int = 0
     accepted_per_pos: list = field(default_factory=list)
     drafted_per_pos: list = field(default_factory=list)
+    by_drafter: dict = field(default_factory=dict)
 
-    def record(self, n_drafted: int, n_accepted: int) -> None:
+    def record(self, n_drafted: int, n_accepted: int, source: str = "") -> None:
+        """Count one round: ``n_drafted`` tokens proposed (0: a plain step), ``n_accepted`` of them
+        kept; ``source``: the chain member that drafted them ("" when there is one drafter)."""
         self.rounds += 1
         if n_drafted == 0:
             return
+        if source:
+            self.by_drafter.setdefault(source, SpecStats()).record(n_drafted, n_accepted)
         self.steps += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
@@ -52,6 +59,8 @@ class SpecStats:
                 mine.append(0)
             for i, v in enumerate(theirs):
                 mine[i] += v
+        for name, st in other.by_drafter.items():
+            self.by_drafter.setdefault(name, SpecStats()).merge(st)
 
     @property
     def acceptance_rate(self) -> float:
@@ -66,7 +75,18 @@ class SpecStats:
         return (f"draft acceptance = {self.acceptance_rate:.5f} ({self.accepted:5d} accepted / "
                 f"{self.drafted:5d} generated), mean len = {self.mean_accepted_length:5.2f}")
 
+    def drafter_lines(self) -> list[str]:
+        """Per drafter of a chain, llama.cpp's ``statistics`` line: ``statistics ngram-simple: #gen drafts
+        = 5, #gen tokens = 187, #acc tokens = 73, acceptance = 0.39037, mean len = 15.60``; [] with one drafter."""
+        return [f"statistics {name}: #gen drafts = {st.steps}, #gen tokens = {st.drafted}, "
+                f"#acc tokens = {st.accepted}, acceptance = {st.acceptance_rate:.5f}, "
+                f"mean len = {st.mean_accepted_length:.2f}" for name, st in self.by_drafter.items()]
+
     def to_dict(self) -> dict:
-        return {"draft_n": self.drafted, "draft_n_accepted": self.accepted, "verify_steps": self.steps,
-                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
-                "accepted_per_pos": list(self.accepted_per_pos), "drafted_per_pos": list(self.drafted_per_pos)}
+        out = {"draft_n": self.drafted, "draft_n_accepted": self.accepted, "verify_steps": self.steps,
+               "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
+               "accepted_per_pos": list(self.accepted_per_pos), "drafted_per_pos": list(self.drafted_per_pos)}
+        if self.by_drafter:
+            out["by_drafter"] = {name: {k: v for k, v in st.to_dict().items() if not k.endswith("_per_pos")}
+                                 for name, st in self.by_drafter.items()}
+        return out

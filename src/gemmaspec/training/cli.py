@@ -62,6 +62,9 @@ def add_parsers(sub) -> None:
                    "the speculative benchmark's held-out prompts")
     e.add_argument("-n", "--n-predict", type=int, default=128)
     e.add_argument("--spec-draft-n-max", default="3")
+    e.add_argument("--spec-draft-p-min", type=float, default=None,
+                   help="stop a round's drafting below this draft probability (default 0; the measured value for "
+                        "an assistant gemmaspec ships)")
     e.add_argument("-t", "--threads", type=int, default=None)
 
 
@@ -200,7 +203,7 @@ def run_eval(args) -> int:
     from ..sampling import SamplingParams
 
     engine = load_engine(args.model, threads=args.threads)
-    _, make = drafter_factory("draft-mtp", engine, args.model_draft)
+    _, make = drafter_factory("draft-mtp", engine, args.model_draft, args.spec_draft_p_min)
     if args.prompts:
         prompts = [line.replace("\\n", "\n") for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     else:

@@ -1,0 +1,83 @@
+"""``--spec-type`` lists (llama.cpp's comma-separated types): parsing and the chain's precedence."""
+
+import pytest
+
+from gemmaspec.errors import InputError
+from gemmaspec.speculative.drafters import ChainDrafter, Draft, DraftContext, NgramDrafter
+from gemmaspec.speculative.options import parse_spec_type, spec_model_type, spec_parts
+from gemmaspec.speculative.stats import SpecStats
+
+
+@pytest.mark.parametrize("given, canonical", [
+    ("ngram-simple", "ngram-simple"), ("draft-mtp", "draft-mtp"), ("none", "none"), ("default", "default"),
+    ("draft-mtp,ngram-simple", "ngram-simple,draft-mtp"), ("ngram-simple,draft-mtp", "ngram-simple,draft-mtp"),
+    (" draft-simple , ngram-simple ", "ngram-simple,draft-simple"), ("ngram-simple+draft-mtp", "ngram-simple,draft-mtp"),
+    ("ngram-simple,ngram-simple", "ngram-simple"), (None, None),
+])
+def test_spec_type_lists_take_llama_cpp_order(given, canonical):
+    assert parse_spec_type(given) == canonical
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("eagle", "must be one of"), ("", "must be one of"), ("draft-mtp,draft-simple", "one model type"),
+    ("none,ngram-simple", "cannot be combined"), ("default,draft-mtp", "cannot be combined"),
+])
+def test_bad_spec_type_lists_are_refused(bad, says):
+    with pytest.raises(InputError, match=says):
+        parse_spec_type(bad)
+
+
+def test_parts_and_model_type():
+    assert spec_parts("ngram-simple,draft-mtp") == ["ngram-simple", "draft-mtp"]
+    assert spec_model_type("ngram-simple,draft-mtp") == "draft-mtp"
+    assert spec_model_type("ngram-simple") is None and spec_parts(None) == []
+
+
+class _Fixed:
+    def __init__(self, name, tokens):
+        self.name, self.tokens, self.calls = name, tokens, 0
+
+    def reset(self):
+        self.calls = 0
+
+    def propose(self, ctx, n_max):
+        self.calls += 1
+        return Draft(list(self.tokens[:n_max]))
+
+
+def test_the_first_drafter_that_proposes_wins():
+    a, b = _Fixed("a", []), _Fixed("b", [5, 6, 7])
+    chain = ChainDrafter([a, b])
+    d = chain.propose(DraftContext([1, 2, 3]), 2)
+    assert d.tokens == [5, 6] and d.source == "b" and a.calls == 1 and b.calls == 1
+    a.tokens = [9]
+    d = chain.propose(DraftContext([1, 2, 3]), 2)
+    assert d.tokens == [9] and d.source == "a" and b.calls == 1  # b is not asked once a proposed
+    a.tokens = []
+    b.tokens = []
+    assert chain.propose(DraftContext([1]), 3).tokens == [] and chain.name == "a,b"
+
+
+def test_ngram_first_copies_and_leaves_the_rest_to_the_next():
+    chain = ChainDrafter([NgramDrafter(4, 2), _Fixed("m", [42])])
+    assert chain.propose(DraftContext([1, 2, 3, 4, 1, 2]), 2).tokens == [3, 4]  # "1 2" was followed by "3 4"
+    d = chain.propose(DraftContext([7, 8, 9]), 2)
+    assert (d.tokens, d.source) == ([42], "m")
+
+
+def test_stats_per_drafter_add_up_and_merge():
+    st = SpecStats()
+    st.record(3, 2, "ngram-simple")
+    st.record(1, 1, "draft-mtp")
+    st.record(0, 0, "")
+    st.record(2, 0, "draft-mtp")
+    assert (st.drafted, st.accepted, st.steps, st.rounds) == (6, 3, 3, 4)
+    assert st.by_drafter["draft-mtp"].drafted == 3 and st.by_drafter["ngram-simple"].accepted == 2
+    other = SpecStats()
+    other.record(4, 4, "ngram-simple")
+    st.merge(other)
+    assert st.by_drafter["ngram-simple"].drafted == 7
+    lines = st.drafter_lines()
+    assert lines[0].startswith("statistics ngram-simple: #gen drafts = 2, #gen tokens = 7, #acc tokens = 6")
+    assert st.to_dict()["by_drafter"]["draft-mtp"]["draft_n"] == 3
+    assert "by_drafter" not in SpecStats().to_dict()
