@@ -148,7 +148,7 @@ def test_a_spec_type_list_drafts_with_ngram_then_the_draft_model(model_path, tmp
                   "--json")
     assert res.returncode == 0, res.stderr
     text, record = res.stdout.rsplit("\n", 2)[0], json.loads(res.stdout.strip().splitlines()[-1])
-    assert plain.stdout.startswith(text) and record["spec_type"] in (None, "ngram-simple,draft-simple")
+    assert plain.stdout.startswith(text) and record["spec_type"] == "ngram-simple,draft-simple"
     by = record["by_drafter"]
     assert set(by) == {"ngram-simple", "draft-simple"} and by["draft-simple"]["acceptance_rate"] == 1.0
     assert sum(v["draft_n"] for v in by.values()) == record["drafted"]
@@ -183,6 +183,23 @@ def test_md_without_spec_type_drafts_with_that_model(model_path):
     assert "draft acceptance = 1.00000" in res.stderr
     plain = run_cli("generate", "-m", str(model_path), "-p", "The capital of France is", "-n", "9", "--temp", "0")
     assert plain.returncode == 0 and "draft acceptance" not in plain.stderr and plain.stdout == res.stdout
+
+
+def test_json_and_memory_line_name_the_drafter_that_runs(model_path):
+    """``--json``'s ``spec_type`` is the drafter that ran, not the flag as typed (it said ``default``, or
+    null for ``-md`` alone); the memory estimate counts a list's draft model (it said ``drafter 0.0 MiB``
+    for ``ngram-simple,draft-simple``, whose draft model is as large as the target here)."""
+    import json
+
+    base = ("generate", "-m", str(model_path), "-p", "The capital of France is", "-n", "4", "--temp", "0", "--json")
+    runs = {"default": run_cli(*base, "--spec-type", "default"), "md": run_cli(*base, "-md", str(model_path)),
+            "list": run_cli(*base, "-md", str(model_path), "--spec-type", "ngram-simple,draft-simple")}
+    rec = {k: json.loads(r.stdout.strip().splitlines()[-1]) for k, r in runs.items()}
+    assert rec["default"]["spec_type"] == "ngram-simple,draft-mtp"  # the default model's shipped default
+    assert rec["md"]["spec_type"] == "draft-simple" and rec["list"]["spec_type"] == "ngram-simple,draft-simple"
+    mem = {k: re.search(r"target ([\d.]+) MiB \+ drafter ([\d.]+) MiB", r.stderr).groups() for k, r in runs.items()}
+    assert mem["list"][1] == mem["md"][1] == mem["list"][0]  # the draft model is the target's file
+    assert 0 < float(mem["default"][1]) < 10  # the shipped assistant, 4.3 MiB
 
 
 @pytest.mark.parametrize("flags,needle", [

@@ -352,8 +352,8 @@ def _cmd_generate(args) -> int:
         out.flush()
     out.write("\n")
     if args.json:
-        spec_on = args.spec_type not in (None, "none") or args.model_draft
-        out.write(json.dumps(stats_record(stats, load_s, args.spec_type, n_max if spec_on else 0)) + "\n")
+        used = getattr(drafter, "name", args.spec_type)  # what ran: "default" and -md resolved to their types
+        out.write(json.dumps(stats_record(stats, load_s, used, n_max if used != "none" else 0)) + "\n")
     out.flush()
     print(stats_line(stats, load_s), file=sys.stderr)
     if args.spec_type != "none":

@@ -202,6 +202,18 @@ def resolve_models(args) -> None:
         args.spec_draft_n_max = str(rec[0]) if rec else "3"
 
 
+def drafter_file(spec_type: str | None, draft_model: str | None, model: str | None) -> str | None:
+    """The file the drafter of ``spec_type`` loads (``-md``, or the assistant shipped for ``model``
+    that ``draft-mtp`` and ``default`` take without one), or None when it loads none."""
+    spec_type = parse_spec_type(spec_type)
+    if draft_model:
+        return draft_model if spec_type is None or spec_model_type(spec_type) else None
+    if spec_type == "default":
+        entry = shipped_assistant_entry(model)
+        return entry["path"] if entry and "draft-mtp" in spec_parts(entry.get("default_spec", "")) else None
+    return shipped_assistant(model) if spec_model_type(spec_type) == "draft-mtp" else None
+
+
 def memory_estimate(args, slots: int = 1, caches: int | None = None):
     """``fit``'s estimate for the model flags of ``args`` on ``args.device``, refused when it does not
     fit; returned for printing once the model is loaded.
@@ -225,9 +237,8 @@ def memory_estimate(args, slots: int = 1, caches: int | None = None):
     target = read_model(args.model)
     if target.role != "target":
         return None  # load_checkpoint refuses it with its own message
-    draft = None
-    if args.model_draft and args.spec_type in (None, "draft-simple", "draft-mtp"):
-        draft = read_model(args.model_draft)
+    draft_file = drafter_file(args.spec_type, args.model_draft, args.model)
+    draft = read_model(draft_file) if draft_file else None
     est = estimate(target, draft, args.ctx_size, caches or slots, device, free_memory(device))
     check_fits(est)
     return est
@@ -247,5 +258,5 @@ def qat_mismatch_warning(target, assistant) -> str | None:
             "targets with QAT assistants (*-qat-q4_0-unquantized-assistant) and acceptance may drop")
 
 
-__all__ = ["load_engine", "load_drafter", "drafter_factory", "resolve_device", "resolve_models", "memory_estimate",
+__all__ = ["load_engine", "load_drafter", "drafter_factory", "drafter_file", "resolve_device", "resolve_models", "memory_estimate",
            "GemmaspecError", "SPEC_TYPES"]

@@ -22,7 +22,8 @@ def stats_record(stats, load_s: float, spec_type: str, n_max) -> dict:
     Keys: ``prompt_tokens``, ``generated_tokens`` (ints); ``prefill_tps``, ``decode_tps`` (tokens/s;
     ``decode_tps`` is None below two generated tokens); ``prefill_ms``, ``decode_ms``, ``ttft_ms``
     (milliseconds); ``load_s`` (seconds: model load and preparation); ``stop_reason`` ("eos", "stop",
-    "length", "context"); ``truncated`` (a context shift cut the prompt or dropped tokens); ``seed``; ``spec_type``, ``n_max`` (int or "auto"); ``drafted``, ``accepted``
+    "length", "context"); ``truncated`` (a context shift cut the prompt or dropped tokens); ``seed``; ``spec_type`` (the drafter that ran, e.g. ``ngram-simple,draft-mtp`` for ``--spec-type default``
+    with the default model), ``n_max`` (int or "auto"); ``drafted``, ``accepted``
     (draft tokens), ``verify_steps``, ``acceptance_rate`` (accepted / drafted, 0 when none drafted) and
     ``mean_accepted_length`` (tokens per verify step, the target's own token included); with a list of
     types (``ngram-simple,draft-mtp``) also ``by_drafter``: those counts per drafter.
