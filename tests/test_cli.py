@@ -202,6 +202,15 @@ def test_json_and_memory_line_name_the_drafter_that_runs(model_path):
     assert 0 < float(mem["default"][1]) < 10  # the shipped assistant, 4.3 MiB
 
 
+def test_serve_refuses_bad_speculative_flags_before_listening(model_path):
+    """A p-min out of range, or ``-md`` with a type that drafts without a model, is refused before the
+    server binds its port (it listened, answered 503, then exited)."""
+    for flags, needle in ((["--spec-draft-p-min", "1.5"], "[0, 1]"), (["--spec-draft-p-min", "nan"], "[0, 1]"),
+                          (["--spec-type", "default", "-md", str(model_path)], "-md is used by")):
+        res = run_cli("serve", "-m", str(model_path), "--port", "0", *flags, timeout=60)
+        _assert_one_line_error(res, needle)
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--spec-type", "ngram-simple", "--spec-draft-n-max", "x"], "--spec-draft-n-max"),
     (["--spec-type", "ngram-simple", "--spec-draft-n-max", "300"], "0..256"),

@@ -300,9 +300,11 @@ def _load(args):
 
 def _load_quietly(args):
     from .loader import load_drafter, load_engine, memory_estimate, resolve_models
+    from .speculative.options import check_spec_flags
 
     resolve_models(args)
     n_max = parse_n_max(args.spec_draft_n_max)
+    check_spec_flags(args.spec_type, args.model_draft, args.spec_draft_p_min)
     if args.spec_draft_n_min < 0:
         raise InputError(f"--spec-draft-n-min must be >= 0 (got {args.spec_draft_n_min})")
     est = memory_estimate(args)

@@ -14,7 +14,7 @@ from .errors import GemmaspecError, InputError
 from .kernels import load_library
 from .loading import load_checkpoint
 from .quant.qat import looks_qat
-from .speculative.options import SPEC_TYPES, parse_spec_type, spec_model_type, spec_parts
+from .speculative.options import SPEC_TYPES, check_spec_flags, parse_spec_type, spec_model_type, spec_parts
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -120,12 +120,7 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
     from .speculative.drafters import (DraftModelDrafter, MTPDrafter, NgramDrafter, NoDrafter, check_mtp_pair,
                                        check_same_vocabulary)
 
-    spec_type = parse_spec_type(spec_type)
-    if p_min is not None and not 0.0 <= p_min <= 1.0:
-        raise InputError(f"--spec-draft-p-min must be in [0, 1] (got {p_min})")
-    if draft_model and spec_type is not None and spec_model_type(spec_type) is None:
-        raise InputError(f"-md is used by --spec-type draft-simple or draft-mtp (alone or after ngram-simple, "
-                         f"e.g. ngram-simple,draft-mtp), not {spec_type}")
+    spec_type = check_spec_flags(spec_type, draft_model, p_min)
     if spec_type in (None, "default") and not draft_model:
         entry = shipped_assistant_entry(getattr(engine, "model_path", None))
         default = (entry or {}).get("default_spec", "ngram-simple")

@@ -164,6 +164,9 @@ def serve(args) -> int:
         raise InputError(f"--port must be in 0..65535 (got {args.port})")
     if args.spec_draft_n_min < 0:
         raise InputError(f"--spec-draft-n-min must be >= 0 (got {args.spec_draft_n_min})")
+    from ..speculative.options import check_spec_flags
+
+    check_spec_flags(args.spec_type, args.model_draft, args.spec_draft_p_min)  # before listening
     if args.api_key is not None and not args.api_key.strip():
         raise InputError("--api-key must not be empty")
     for flag, path in (("-m", args.model), ("-md", args.model_draft)):

@@ -62,6 +62,25 @@ def spec_model_type(spec_type: str | None) -> str | None:
     return next((t for t in spec_parts(spec_type) if t in MODEL_TYPES), None)
 
 
+def check_spec_flags(spec_type: str | None, draft_model: str | None, p_min: float | None) -> str | None:
+    """The checks of the speculative flags that need no model: ``--spec-type`` (its canonical spelling
+    is returned), ``--spec-draft-p-min`` in [0, 1] (None: the drafter's default), and ``-md`` only
+    with a type that drafts with a model (``spec_type`` None: the file's type). The commands run them
+    before loading anything, so ``gemmaspec serve`` refuses bad flags before it listens.
+
+    Raises:
+        InputError: an unknown type or list, p-min outside [0, 1] (NaN included), or ``-md`` with
+            ``none``, ``ngram-simple`` or ``default``.
+    """
+    spec_type = parse_spec_type(spec_type)
+    if p_min is not None and not 0.0 <= p_min <= 1.0:
+        raise InputError(f"--spec-draft-p-min must be in [0, 1] (got {p_min})")
+    if draft_model and spec_type is not None and spec_model_type(spec_type) is None:
+        raise InputError(f"-md is used by --spec-type draft-simple or draft-mtp (alone or after ngram-simple, "
+                         f"e.g. ngram-simple,draft-mtp), not {spec_type}")
+    return spec_type
+
+
 MAX_DRAFT_TOKENS = 15
 """Largest draft length per round (``--spec-draft-n-max``): a verify forward then runs at most 16
 rows, the batch-invariant C kernel's limit (``kernels.SMALL_M``)."""
