@@ -452,3 +452,21 @@ def test_a_peer_runs_only_the_drafters_it_has():
     assert ("llama.cpp", "ngram-simple n=3", 1) in got and ("llama.cpp", "none", 1) in got
     assert not any(n == "llama.cpp" and (c.startswith("draft-mtp") or u > 1) for n, c, u in got)
     assert sum(n == "gemmaspec" for n, _, _ in got) == 6
+
+
+def test_the_report_records_the_assistant_a_list_drafts_with():
+    """``--spec-type ngram-simple+draft-mtp`` or ``default`` (which is that list for the default model)
+    draft with the shipped assistant: the report's ``drafts`` names it and its sha256, as for
+    ``draft-mtp`` alone (it recorded nothing, so a run did not say which assistant it measured)."""
+    from gemmaspec.bench.targets import InProcessTarget
+    from gemmaspec.loading.default_model import default_model_path
+    from gemmaspec.loading.shipped import shipped_assistant
+
+    t = InProcessTarget(None, [], ["default", "ngram-simple,draft-mtp"], 1, 256)
+    try:
+        d = t.describe()
+        assert d["spec_types"] == ["ngram-simple,draft-mtp"]
+        assert d["drafts"]["draft-mtp"]["path"] == shipped_assistant(default_model_path())
+        assert len(d["drafts"]["draft-mtp"]["sha256"]) == 64
+    finally:
+        t.close()

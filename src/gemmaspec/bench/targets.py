@@ -118,8 +118,14 @@ class InProcessTarget:
             else:  # a draftless type, or a list ("ngram-simple,draft-mtp") with the -md of its model type
                 from ..speculative.options import spec_model_type
 
+                from ..loader import drafter_file
+
                 mt = spec_model_type(st)
-                real, make = drafter_factory(st, self.engine, str(by_type[mt][1]) if mt in by_type else None)
+                md = str(by_type[mt][1]) if mt in by_type else None
+                real, make = drafter_factory(st, self.engine, md)
+                used = drafter_file(real, md, self.model_path)  # a list's model file, -md or shipped
+                if used:
+                    self.drafts.setdefault(spec_model_type(real), str(used))
             if real not in self.schedulers:
                 self.spec_types.append(real)
                 self.schedulers[real] = self._start(make, n_slots)
