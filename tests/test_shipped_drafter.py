@@ -116,3 +116,16 @@ def test_the_chain_drafts_with_the_assistant_where_ngram_has_no_match(engine, ma
     ids = engine.tokenizer.encode("Question: Why is the sky blue?\nAnswer:")
     _, st = _run(engine, ids, make_chain(engine.cache), 3, n=24)
     assert st.spec.by_drafter["draft-mtp"].drafted > 0
+
+
+def test_seeded_sampling_is_the_same_with_the_list_and_any_p_min(engine, make_chain):
+    """docs/server.md's "same seed" guarantee with the default drafter list and with the assistant's
+    p-min at 0, its shipped 0.3 and 0.9 (a round that stops early is a shorter draft, never another
+    draw): every setting gives plain seeded sampling's tokens."""
+    ids = engine.tokenizer.encode("Once upon a time, in a small village by the sea,")
+    params = SamplingParams(temperature=0.9, seed=21, max_tokens=40, ignore_eos=True, top_k=0, top_p=0.95)
+    plain = [t for ev in engine.generate(ids, params) for t in ev.tokens]
+    for name, drafter in [("list", make_chain(engine.cache))] + [(p, _mtp(engine, p)) for p in (0.0, 0.3, 0.9)]:
+        for n_max in (1, 4, "auto"):
+            st = RequestStats()
+            assert [t for ev in engine.generate(ids, params, drafter, n_max, st) for t in ev.tokens] == plain, (name, n_max)
