@@ -1,9 +1,11 @@
 """Assistants gemmaspec ships in its package (``src/gemmaspec/data/``), and the targets they belong to.
 
 ``data/assistants.json`` lists them: ``file`` (beside the JSON), ``target_size`` and ``target_sha256``
-(the target file they were trained for), ``n_max`` (the draft length measured best), ``default_spec``
-(``draft-mtp`` where drafting with it was measured faster than n-gram on the speculative benchmark,
-else ``ngram-simple``) and ``why`` (that measurement, one line).
+(the target file they were trained for), ``n_max`` (the draft length measured best), ``p_min`` (the
+``--spec-draft-p-min`` it drafts with when none is given; absent: 0), ``default_spec`` (what
+``--spec-type default`` runs for that target: ``draft-mtp``, ``ngram-simple,draft-mtp`` (n-gram lookup
+first, this assistant where it finds no match) or ``ngram-simple``, whichever the speculative
+benchmark measured fastest) and ``why`` (that measurement, one line).
 """
 
 from __future__ import annotations
