@@ -81,3 +81,18 @@ def test_stats_per_drafter_add_up_and_merge():
     assert lines[0].startswith("statistics ngram-simple: #gen drafts = 2, #gen tokens = 7, #acc tokens = 6")
     assert st.to_dict()["by_drafter"]["draft-mtp"]["draft_n"] == 3
     assert "by_drafter" not in SpecStats().to_dict()
+
+
+def test_the_default_server_says_which_assistant_and_p_min_it_drafts_with(server):
+    """``gemmaspec serve`` with no flags drafts with the list and the assistant shipped for the default
+    model at its p-min: ``/props`` names that file (``draft_model`` was null: no ``-md`` was given) and
+    p-min, and the startup log line says the p-min beside n_max."""
+    import httpx
+
+    from gemmaspec.loading.default_model import default_model_path
+    from gemmaspec.loading.shipped import shipped_assistant
+
+    sp = httpx.get(server.url + "/props", timeout=30).json()["speculative"]
+    assert sp["type"] == "ngram-simple,draft-mtp" and sp["p_min"] == 0.3
+    assert sp["draft_model"] == shipped_assistant(default_model_path())
+    assert "speculative ngram-simple,draft-mtp (n_max 3, p_min 0.3)" in server.log_path.read_text()

@@ -142,7 +142,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     started = int(time.time())
 
     def load():
-        from ..loader import drafter_factory, load_engine
+        from ..loader import drafter_factory, drafter_file, load_engine
         from ..loading.default_model import default_model_path
 
         t0 = time.perf_counter()
@@ -157,7 +157,8 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             engine.forward_costs()
         names = {path.name, path.stem, str(path), str(cfg.model or "")}
         aliases = sorted({a.strip() for a in (cfg.alias or "").split(",") if a.strip()})
-        info.update(p_min=cfg.p_min if cfg.p_min is not None else getattr(make, "p_min", 0.0))
+        info.update(p_min=cfg.p_min if cfg.p_min is not None else getattr(make, "p_min", 0.0),
+                    draft_file=drafter_file(spec, cfg.draft_model, str(path)))  # -md, or the shipped assistant
         info.update(engine=engine, path=path, spec_type=spec, model_id=aliases[0] if aliases else path.name,
                     aliases=aliases, names={n for n in names | set(aliases) if n}, load_s=time.perf_counter() - t0,
                     created=int(time.time()))
@@ -165,10 +166,11 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
 
     def ready():
         from .. import kernels
+        from ..speculative.options import spec_model_type
 
-        log.info("model %s loaded in %.2f s: context %d, %d slots, speculative %s (n_max %s)%s%s",
+        log.info("model %s loaded in %.2f s: context %d, %d slots, speculative %s (n_max %s%s)%s%s",
                  info["model_id"], info["load_s"], info["engine"].ctx_size, cfg.n_slots, info["spec_type"],
-                 cfg.n_max, "; int8 activations (--act-quant q8_0)" if kernels.act_quant() == "q8_0" else "",
+                 cfg.n_max, f", p_min {info['p_min']:g}" if spec_model_type(info["spec_type"]) else "", "; int8 activations (--act-quant q8_0)" if kernels.act_quant() == "q8_0" else "",
                  "" if scheduler.batched else "; this model has no batched forward, slots take turns")
         if on_ready:
             on_ready()
@@ -274,7 +276,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             "chat_template_caps": {}, "modalities": {"vision": False, "audio": False}, "build_info": fingerprint(),
             "model": info["model_id"], "n_ctx": e.ctx_size, "batched_forward": scheduler.batched,
             "speculative": {"type": info["spec_type"], "n_max": cfg.n_max, "n_min": cfg.n_min, "p_min": info["p_min"],
-                            "ngram_size": cfg.ngram_size, "ngram_min": cfg.ngram_min, "draft_model": cfg.draft_model},
+                            "ngram_size": cfg.ngram_size, "ngram_min": cfg.ngram_min, "draft_model": info["draft_file"]},
         }
 
     @app.get("/slots")
