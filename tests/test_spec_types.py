@@ -83,6 +83,16 @@ def test_stats_per_drafter_add_up_and_merge():
     assert "by_drafter" not in SpecStats().to_dict()
 
 
+def test_per_drafter_lines_follow_the_list_order():
+    """The assistant drafted first (n-gram lookup had no match yet), n-gram later: the lines and
+    ``by_drafter`` still list ngram-simple first, as the list drafts (they followed first use)."""
+    st = SpecStats()
+    st.record(2, 1, "draft-mtp")
+    st.record(3, 3, "ngram-simple")
+    assert [ln.split(":")[0] for ln in st.drafter_lines()] == ["statistics ngram-simple", "statistics draft-mtp"]
+    assert list(st.to_dict()["by_drafter"]) == ["ngram-simple", "draft-mtp"]
+
+
 def test_the_default_server_says_which_assistant_and_p_min_it_drafts_with(server):
     """``gemmaspec serve`` with no flags drafts with the list and the assistant shipped for the default
     model at its p-min: ``/props`` names that file (``draft_model`` was null: no ``-md`` was given) and

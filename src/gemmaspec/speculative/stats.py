@@ -75,12 +75,21 @@ class SpecStats:
         return (f"draft acceptance = {self.acceptance_rate:.5f} ({self.accepted:5d} accepted / "
                 f"{self.drafted:5d} generated), mean len = {self.mean_accepted_length:5.2f}")
 
+    def _by_drafter_in_order(self) -> list:
+        """``by_drafter``'s items in a list's drafting order (n-gram lookup first, as ``--spec-type``
+        puts it), whichever drafted first in the request."""
+        from .options import DRAFTLESS_TYPES, MODEL_TYPES
+
+        order = DRAFTLESS_TYPES + MODEL_TYPES
+        return sorted(self.by_drafter.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+
     def drafter_lines(self) -> list[str]:
-        """Per drafter of a chain, llama.cpp's ``statistics`` line: ``statistics ngram-simple: #gen drafts
-        = 5, #gen tokens = 187, #acc tokens = 73, acceptance = 0.39037, mean len = 15.60``; [] with one drafter."""
+        """Per drafter of a chain, in the list's order, llama.cpp's ``statistics`` line: ``statistics
+        ngram-simple: #gen drafts = 5, #gen tokens = 187, #acc tokens = 73, acceptance = 0.39037, mean
+        len = 15.60``; [] with one drafter."""
         return [f"statistics {name}: #gen drafts = {st.steps}, #gen tokens = {st.drafted}, "
                 f"#acc tokens = {st.accepted}, acceptance = {st.acceptance_rate:.5f}, "
-                f"mean len = {st.mean_accepted_length:.2f}" for name, st in self.by_drafter.items()]
+                f"mean len = {st.mean_accepted_length:.2f}" for name, st in self._by_drafter_in_order()]
 
     def to_dict(self) -> dict:
         out = {"draft_n": self.drafted, "draft_n_accepted": self.accepted, "verify_steps": self.steps,
@@ -88,5 +97,5 @@ class SpecStats:
                "accepted_per_pos": list(self.accepted_per_pos), "drafted_per_pos": list(self.drafted_per_pos)}
         if self.by_drafter:
             out["by_drafter"] = {name: {k: v for k, v in st.to_dict().items() if not k.endswith("_per_pos")}
-                                 for name, st in self.by_drafter.items()}
+                                 for name, st in self._by_drafter_in_order()}
         return out
