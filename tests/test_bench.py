@@ -470,3 +470,23 @@ def test_the_report_records_the_assistant_a_list_drafts_with():
         assert len(d["drafts"]["draft-mtp"]["sha256"]) == 64
     finally:
         t.close()
+
+
+def test_the_report_gives_the_p_min_each_model_drafter_ran_with(tmp_path, capsys):
+    """The assistant's p-min changes what is measured (acceptance 0.32 at 0, 0.63 at its shipped 0.3 on
+    the speculative prompts at n-max 3): the target's description gives it per type, and
+    ``--spec-draft-p-min`` sets it (there was no way to say or set it)."""
+    from gemmaspec.bench.targets import InProcessTarget
+
+    t = InProcessTarget(None, [], ["ngram-simple", "ngram-simple,draft-mtp"], 1, 256)
+    try:
+        assert t.describe()["p_min"] == {"ngram-simple,draft-mtp": 0.3}  # the shipped assistant's own
+    finally:
+        t.close()
+    t = InProcessTarget(None, [], ["draft-mtp"], 1, 256, p_min=0.0)
+    try:
+        assert t.describe()["p_min"] == {"draft-mtp": 0.0}
+    finally:
+        t.close()
+    capsys.readouterr()
+    assert "[0, 1]" in _one_line_error(capsys, ["bench", "--spec-draft-p-min", "2", "--out", str(tmp_path / "o")])

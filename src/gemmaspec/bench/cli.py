@@ -44,6 +44,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "assistant elsewhere; default: the -md files' types, else 'default' in-process; a label with --url)")
     b.add_argument("--spec-draft-n-max", default="0,1,2,3,4,auto",
                    help="draft lengths to sweep; 0 (no speculation, the baseline) is always run (default 0,1,2,3,4,auto)")
+    b.add_argument("--spec-draft-p-min", type=float, default=None,
+                   help="p-min of the model drafters (draft-simple, draft-mtp; in process): a round stops at a draft "
+                        "below it (default: each drafter's, 0.3 for the assistant gemmaspec ships for the default "
+                        "model, else 0); the report gives the value each type ran with")
     b.add_argument("--users", default="1,2,4,8", help="concurrent users to sweep (default 1,2,4,8)")
     b.add_argument("--repeats", type=int, default=3, help="runs of each phase, configurations taking turns (default 3)")
     b.add_argument("--max-tokens", type=int, default=128, help="tokens per request, EOS ignored (a suite line's "
@@ -103,6 +107,8 @@ def parse_settings(args) -> dict:
         if bad:
             raise InputError(f"--spec-type must name drafters among {', '.join(t for t in SPEC_TYPES if t != 'none')} "
                              f"(got {', '.join(bad)}); no speculation (n-max 0) is always run")
+    if args.spec_draft_p_min is not None and not 0.0 <= args.spec_draft_p_min <= 1.0:
+        raise InputError(f"--spec-draft-p-min must be in [0, 1] (got {args.spec_draft_p_min})")
     if args.peer and args.peer_url:
         raise InputError("give --peer llama.cpp or --peer-url URL, not both")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
@@ -110,7 +116,7 @@ def parse_settings(args) -> dict:
             "n_max": n_max, "users": _int_list(args.users, "--users"), "repeats": args.repeats,
             "max_tokens": args.max_tokens, "temp": args.temp, "seed": args.seed, "url": args.url,
             "model": args.model, "model_draft": args.model_draft, "peer": args.peer, "peer_url": args.peer_url,
-            "threads": args.threads, "device": args.device}
+            "threads": args.threads, "device": args.device, "p_min": args.spec_draft_p_min}
 
 
 def run(args) -> int:
@@ -145,7 +151,7 @@ def run(args) -> int:
             longest = max(len(p.prompt or "") + sum(len(c) + 16 for _, c in p.messages or ()) for p in prompts)
             ctx = args.ctx_size or -(-(longest + s["max_tokens"] + 96) // 256) * 256
             ours = InProcessTarget(s["model"], s["model_draft"], s["spec_types"], max(s["users"]), ctx,
-                                   s["threads"], s["device"])
+                                   s["threads"], s["device"], p_min=s.get("p_min"))
             s["spec_types"] = ours.spec_types
             if not ours.spec_types:
                 raise InputError("nothing to compare: give --spec-type or -md")

@@ -76,6 +76,8 @@ class InProcessTarget:
         n_slots: concurrent requests (the largest user count).
         ctx_size: context per slot, tokens.
         threads, device: as for ``gemmaspec generate``.
+        p_min: ``--spec-draft-p-min`` of the model drafters (None: each drafter's own, see
+            :func:`gemmaspec.loader.drafter_factory`); ``describe()["p_min"]`` gives the value per type.
 
     Raises:
         GemmaspecError: the model or a drafter cannot be loaded; a draft type without its ``-md``.
@@ -84,22 +86,24 @@ class InProcessTarget:
     name = "gemmaspec"
 
     def __init__(self, model, drafts, spec_types: list[str], n_slots: int, ctx_size: int, threads=None,
-                 device="cpu"):
+                 device="cpu", p_min: float | None = None):
         from ..loader import drafter_factory, load_engine
         from ..loading.default_model import default_model_path
+        from ..speculative.options import spec_model_type
 
         self.model_path = Path(model) if model else default_model_path()
         self.draft_paths = [Path(d) for d in drafts or []]
         self.engine = load_engine(self.model_path, ctx_size=ctx_size, device=device, threads=threads)
         by_type = {}
         for d in self.draft_paths:
-            real, make = drafter_factory(None, self.engine, str(d))
+            real, make = drafter_factory(None, self.engine, str(d), p_min)
             if real in by_type:
                 raise InputError(f"two -md files for {real}: give one draft model and/or one assistant")
             by_type[real] = (make, d)
         self.schedulers = {}
         self.spec_types = []
         self.drafts = {}
+        self.p_min = {}
         for st in spec_types or list(by_type):
             if st in ("draft-simple", "draft-mtp"):
                 if st == "draft-mtp" and st not in by_type:  # the assistant gemmaspec ships for this target
@@ -107,7 +111,7 @@ class InProcessTarget:
 
                     shipped = shipped_assistant(self.model_path)
                     if shipped:
-                        by_type[st] = (drafter_factory(st, self.engine, shipped)[1], Path(shipped))
+                        by_type[st] = (drafter_factory(st, self.engine, shipped, p_min)[1], Path(shipped))
                         self.draft_paths.append(Path(shipped))
                 if st not in by_type:
                     what = "an MTP assistant" if st == "draft-mtp" else "a draft model"
@@ -116,17 +120,17 @@ class InProcessTarget:
                 (make, d), real = by_type[st], st
                 self.drafts[real] = str(d)
             else:  # a draftless type, or a list ("ngram-simple,draft-mtp") with the -md of its model type
-                from ..speculative.options import spec_model_type
-
                 from ..loader import drafter_file
 
                 mt = spec_model_type(st)
                 md = str(by_type[mt][1]) if mt in by_type else None
-                real, make = drafter_factory(st, self.engine, md)
+                real, make = drafter_factory(st, self.engine, md, p_min)
                 used = drafter_file(real, md, self.model_path)  # a list's model file, -md or shipped
                 if used:
                     self.drafts.setdefault(spec_model_type(real), str(used))
             if real not in self.schedulers:
+                if spec_model_type(real):  # the p-min its model drafter runs with (--spec-draft-p-min or its own)
+                    self.p_min[real] = getattr(make, "p_min", None)
                 self.spec_types.append(real)
                 self.schedulers[real] = self._start(make, n_slots)
 
@@ -208,6 +212,7 @@ class InProcessTarget:
         return {"kind": "in-process", "name": "gemmaspec", "model": str(self.model_path),
                 "model_sha256": file_sha256(self.model_path),
                 "drafts": {t: {"path": d, "sha256": file_sha256(d)} for t, d in self.drafts.items()},
+                "p_min": dict(self.p_min),
                 "spec_types": self.spec_types, "ctx_size": e.ctx_size, "device": str(e.model.device),
                 "threads": _torch_threads(),
                 "batched": all(s.batched for s in self.schedulers.values())}
