@@ -93,3 +93,16 @@ def test_a_spec_type_list_goes_to_llama_server_only(capsys, dirs, model_path):
     assert "vllm takes one speculative method" in capsys.readouterr().err
     assert cli.main(["export", "llama-server", "-m", str(model_path), "--spec-type", "ngram-simple,draft-mtp"]) == 1
     assert "needs -md" in capsys.readouterr().err
+
+
+def test_md_of_the_wrong_role_is_refused(capsys, dirs, model_path):
+    """``-md`` a model with draft-mtp (alone or in a list), or an assistant with draft-simple: refused
+    naming the type that file takes, as generate and serve refuse it (export printed the command)."""
+    t, a = dirs
+    for argv, says in ((["llama-server", "-m", str(model_path), "-md", str(model_path), "--spec-type",
+                         "ngram-simple,draft-mtp"], "use --spec-type ngram-simple,draft-simple"),
+                       (["vllm", "-m", str(t), "-md", str(t), "--spec-type", "draft-mtp"], "use --spec-type draft-simple"),
+                       (["vllm", "-m", str(t), "-md", str(a), "--spec-type", "draft-simple"], "use --spec-type draft-mtp")):
+        assert cli.main(["export", *argv]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: -md ") and says in err, err

@@ -121,6 +121,16 @@ def build_command(args) -> list[str]:
         raise InputError("--spec-type default is gemmaspec's own; name the types for the exported server")
     if spec_model_type(spec) and not args.model_draft:
         raise InputError(f"--spec-type {spec} needs -md")
+    if spec_model_type(spec) and args.model_draft:  # the role the type needs, as gemmaspec's loader checks
+        from .loading.fit import read_model
+
+        want = "assistant" if spec_model_type(spec) == "draft-mtp" else "target"
+        role = read_model(args.model_draft).role
+        if role != want:
+            other = "draft-mtp" if role == "assistant" else "draft-simple"
+            raise InputError(f"-md {args.model_draft} is {'an assistant' if role == 'assistant' else 'a model'}, which "
+                             f"--spec-type {spec_model_type(spec)} does not take: use --spec-type "
+                             f"{spec.replace(spec_model_type(spec), other)}")
     if "," in spec and args.server != "llama-server":
         raise InputError(f"{args.server} takes one speculative method; a list (--spec-type {spec}) is llama-server's "
                          f"and gemmaspec's: export one of {spec.replace(',', ', ')}")
