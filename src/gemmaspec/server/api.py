@@ -61,8 +61,12 @@ def logit_bias_json(params: SamplingParams, stop_ids) -> list[dict]:
 class ServeConfig:
     """What ``gemmaspec serve`` was asked for (see ``gemmaspec serve --help``).
 
-    ``spec_type`` None picks the default: ``ngram-simple``, or with ``draft_model`` ``draft-mtp`` for an
-    assistant checkpoint and ``draft-simple`` for a model. ``n_max`` is an int (0..15) or ``"auto"``.
+    ``spec_type`` None picks the default: ``--spec-type default`` (for the default model
+    ``ngram-simple,draft-mtp`` with the assistant shipped for it, else ``ngram-simple``), or with
+    ``draft_model`` ``draft-mtp`` for an assistant checkpoint and ``draft-simple`` for a model; a list
+    (``ngram-simple,draft-mtp``) as :func:`~gemmaspec.speculative.options.parse_spec_type`. ``p_min``
+    None: the model drafter's own (0.3 for the shipped assistant, else 0; ``/props`` shows the value in
+    use). ``n_max`` is an int (0..15) or ``"auto"``.
     ``defaults`` are the sampling settings a request gets for the fields it leaves out (``--temp``,
     ``--seed``...); ``n_predict`` (``-n``) the token limit for every endpoint (None: 16 for
     ``/v1/completions``, no limit for chat and ``/completion``). ``allowed_hosts``, ``cors_origins`` and
