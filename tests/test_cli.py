@@ -151,7 +151,9 @@ def test_a_spec_type_list_drafts_with_ngram_then_the_draft_model(model_path, tmp
     assert plain.stdout.startswith(text) and record["spec_type"] == "ngram-simple,draft-simple"
     by = record["by_drafter"]
     assert set(by) == {"ngram-simple", "draft-simple"} and by["draft-simple"]["acceptance_rate"] == 1.0
-    assert sum(v["draft_n"] for v in by.values()) == record["drafted"]
+    assert sum(v["drafted"] for v in by.values()) == record["drafted"]  # the record's own key names and rounding
+    assert all(set(v) == {"drafted", "accepted", "verify_steps", "acceptance_rate", "mean_accepted_length"}
+               and v["acceptance_rate"] == round(v["accepted"] / v["drafted"], 5) for v in by.values())
     assert "statistics ngram-simple: #gen drafts = " in res.stderr and "statistics draft-simple: " in res.stderr
     bad = run_cli(*base, "--spec-type", "draft-simple,draft-mtp")
     assert bad.returncode != 0 and "one model type" in bad.stderr

@@ -26,16 +26,21 @@ def stats_record(stats, load_s: float, spec_type: str, n_max) -> dict:
     with the default model), ``n_max`` (int or "auto"); ``drafted``, ``accepted``
     (draft tokens), ``verify_steps``, ``acceptance_rate`` (accepted / drafted, 0 when none drafted) and
     ``mean_accepted_length`` (tokens per verify step, the target's own token included); with a list of
-    types (``ngram-simple,draft-mtp``) also ``by_drafter``: those counts per drafter.
+    types (``ngram-simple,draft-mtp``) also ``by_drafter``: per drafter, in the list's order, the same five
+    keys from ``drafted`` to ``mean_accepted_length``.
     """
     sp = stats.spec
+
+    def counts(st) -> dict:
+        return {"drafted": st.drafted, "accepted": st.accepted, "verify_steps": st.steps,
+                "acceptance_rate": round(st.acceptance_rate, 5), "mean_accepted_length": round(st.mean_accepted_length, 4)}
+
+    by = sp.to_dict().get("by_drafter", {})  # the list's order
     return {
         "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
         "prefill_tps": round(stats.prefill_tps, 3),
         "decode_tps": round(stats.decode_tps, 3) if stats.generated_tokens >= 2 and stats.decode_ms > 0 else None,
         "prefill_ms": round(stats.prefill_ms, 3), "decode_ms": round(stats.decode_ms, 3),
         "ttft_ms": round(stats.ttft_ms, 3), "load_s": round(load_s, 4), "stop_reason": stats.stop_reason,
-        "truncated": stats.truncated, "seed": stats.seed, "spec_type": spec_type, "n_max": n_max, "drafted": sp.drafted, "accepted": sp.accepted,
-        "verify_steps": sp.steps, "acceptance_rate": round(sp.acceptance_rate, 5),
-        "mean_accepted_length": round(sp.mean_accepted_length, 4),
-    } | ({"by_drafter": sp.to_dict()["by_drafter"]} if sp.by_drafter else {})
+        "truncated": stats.truncated, "seed": stats.seed, "spec_type": spec_type, "n_max": n_max, **counts(sp),
+    } | ({"by_drafter": {name: counts(sp.by_drafter[name]) for name in by}} if by else {})
