@@ -106,3 +106,15 @@ def test_the_default_server_says_which_assistant_and_p_min_it_drafts_with(server
     assert sp["type"] == "ngram-simple,draft-mtp" and sp["p_min"] == 0.3
     assert sp["draft_model"] == shipped_assistant(default_model_path())
     assert "speculative ngram-simple,draft-mtp (n_max 3, p_min 0.3)" in server.log_path.read_text()
+
+
+def test_the_memory_estimate_counts_the_assistant_serve_drafts_with_by_default(model_path):
+    """``gemmaspec serve`` with no ``--spec-type`` and no ``-md`` drafts with the shipped assistant: the
+    estimate counts its weights, as for ``--spec-type default`` (it counted none)."""
+    from argparse import Namespace
+
+    from gemmaspec.loader import memory_estimate
+
+    est = {st: memory_estimate(Namespace(device="cpu", model=str(model_path), model_draft=None, spec_type=st,
+                                         ctx_size=512)).draft for st in (None, "default", "none")}
+    assert est[None] == est["default"] > 0 and est["none"] == 0

@@ -199,11 +199,12 @@ def resolve_models(args) -> None:
 
 def drafter_file(spec_type: str | None, draft_model: str | None, model: str | None) -> str | None:
     """The file the drafter of ``spec_type`` loads (``-md``, or the assistant shipped for ``model``
-    that ``draft-mtp`` and ``default`` take without one), or None when it loads none."""
+    that ``draft-mtp`` and ``default`` take without one; None without ``-md`` is ``default``, as in
+    :func:`drafter_factory`), or None when it loads none."""
     spec_type = parse_spec_type(spec_type)
     if draft_model:
         return draft_model if spec_type is None or spec_model_type(spec_type) else None
-    if spec_type == "default":
+    if spec_type in (None, "default"):
         entry = shipped_assistant_entry(model)
         return entry["path"] if entry and "draft-mtp" in spec_parts(entry.get("default_spec", "")) else None
     return shipped_assistant(model) if spec_model_type(spec_type) == "draft-mtp" else None
