@@ -198,6 +198,7 @@ def test_json_and_memory_line_name_the_drafter_that_runs(model_path):
             "list": run_cli(*base, "-md", str(model_path), "--spec-type", "ngram-simple,draft-simple")}
     rec = {k: json.loads(r.stdout.strip().splitlines()[-1]) for k, r in runs.items()}
     assert rec["default"]["spec_type"] == "ngram-simple,draft-mtp"  # the default model's shipped default
+    assert "assistant shipped for this model (gemma-3-270m-assistant-q4_0.gguf, p-min 0.3;" in runs["default"].stderr
     assert rec["md"]["spec_type"] == "draft-simple" and rec["list"]["spec_type"] == "ngram-simple,draft-simple"
     mem = {k: re.search(r"target ([\d.]+) MiB \+ drafter ([\d.]+) MiB", r.stderr).groups() for k, r in runs.items()}
     assert mem["list"][1] == mem["md"][1] == mem["list"][0]  # the draft model is the target's file

@@ -126,7 +126,8 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
         default = (entry or {}).get("default_spec", "ngram-simple")
         if entry and "draft-mtp" in spec_parts(default):
             spec_type, draft_model = default, entry["path"]
-            print(f"speculation: {default} with the assistant shipped for this model ({entry['file']}; "
+            pm = p_min if p_min is not None else float(entry.get("p_min", 0.0))
+            print(f"speculation: {default} with the assistant shipped for this model ({entry['file']}, p-min {pm:g}; "
                   f"{entry.get('why', '')})", file=sys.stderr)
         else:
             if entry:
@@ -148,9 +149,12 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
         NgramDrafter(ngram_max, ngram_min)  # check the sizes now
         return spec_type, lambda cache: NgramDrafter(ngram_max, ngram_min)
     if not draft_model and spec_type == "draft-mtp":  # the assistant shipped for this target, if any
-        draft_model = shipped_assistant(getattr(engine, "model_path", None))
+        entry = shipped_assistant_entry(getattr(engine, "model_path", None))
+        draft_model = entry["path"] if entry else None
         if draft_model:
-            print(f"draft-mtp: the assistant shipped for this model ({Path(draft_model).name})", file=sys.stderr)
+            pm = p_min if p_min is not None else float(entry.get("p_min", 0.0))
+            print(f"draft-mtp: the assistant shipped for this model ({Path(draft_model).name}, p-min {pm:g})",
+                  file=sys.stderr)
     if not draft_model:
         what = "the target's assistant: -md ASSISTANT (directory or .gguf)" if spec_type == "draft-mtp" \
             else "a draft model: -md DRAFT.gguf"
