@@ -144,7 +144,7 @@ def test_another_users_request_does_not_evict_a_cached_conversation(srv):
     ("/v1/completions", {"stop_token_ids": [1]}, "stop_token_ids"),
     ("/completion", {"top_k": -1}, "top_k"), ("/v1/completions", {"min_p": 1.5}, "min_p"),
     ("/v1/chat/completions", {"repeat_penalty": 0}, "repeat_penalty"),
-    ("/completion", {"repeat_last_n": -1}, "repeat_last_n"), ("/v1/completions", {"seed": -5}, "seed"),
+    ("/completion", {"repeat_last_n": -1}, "repeat_last_n"), ("/v1/completions", {"seed": 1.5}, "seed"),
 ])
 def test_fields_that_would_change_the_output_are_400s_naming_them(srv, path, extra, field):
     r = _post(srv, path, _body(path, max_tokens=2, **extra))
@@ -248,3 +248,37 @@ def test_chat_template_kwargs_reach_the_template(srv, tokenizer):
     for path in ("/apply-template", "/v1/chat/completions"):
         r = _post(srv, path, {**body, "chat_template_kwargs": {"messages": []}, "max_tokens": 2})
         assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"], r.text
+
+
+SAMPLED = {"max_tokens": 8, "ignore_eos": True, "temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+           "cache_prompt": False}
+FRESH = "Describe a quiet morning at a mountain lake, with birds and mist."  # open-ended, little to copy
+
+
+def _fresh(path: str, **extra) -> dict:
+    body = {"messages": [{"role": "user", "content": FRESH}]} if "chat" in path else {"prompt": FRESH}
+    return {**body, **extra}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", PATHS)
+def test_any_integer_seed_is_the_uint32_llama_server_reads(srv, path, stream):
+    """llama-server reads ``seed`` as a uint32 (-2 is 4294967294) and OpenAI and vLLM take any int64:
+    every integer is accepted (negative ones other than -1 were a 400) and samples as the wrapped
+    seed does, drafting on and off."""
+    for spec in ({}, {"speculative.n_max": 0}):
+        base = _fresh(path, stream=stream, **SAMPLED, **spec)
+        got = {seed: _result(path, _post(srv, path, {**base, "seed": seed}), stream)
+               for seed in (-2, 2**32 - 2, -(2**40) + 3, 3)}
+        assert got[-2] == got[2**32 - 2] and got[-(2**40) + 3] == got[3], spec
+        assert got[3] != got[2**32 - 2]  # the seed matters: the equalities are not vacuous
+
+
+def test_generation_settings_show_the_seed_as_a_uint32(srv):
+    def seed_of(seed):
+        body = _body("/completion", n_predict=1, **({} if seed is None else {"seed": seed}))
+        return _post(srv, "/completion", body).json()["generation_settings"]["seed"]
+
+    assert seed_of(-2) == seed_of(2**32 - 2) == 4294967294 and seed_of(2**32 + 5) == 5
+    assert seed_of(-1) == seed_of(None) == 4294967295  # llama-server's LLAMA_DEFAULT_SEED: a random one
+    assert httpx.get(srv.url + "/props").json()["default_generation_settings"]["params"]["seed"] == 4294967295

@@ -20,6 +20,7 @@ import sys
 import time
 
 from .errors import GemmaspecError, InputError
+from .seeds import seed_arg
 from .speculative.options import SPEC_TYPES, parse_n_max, parse_spec_type
 
 _CHAT_HINT = "gemmaspec generate answers one prompt; for a conversation use `gemmaspec chat`"
@@ -139,7 +140,8 @@ def _add_sampling(p: argparse.ArgumentParser, n_default: int, n_help: str) -> No
     p.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default 0.05)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty, 1 = off (default 1.0)")
     p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back over (default 64)")
-    p.add_argument("-s", "--seed", type=int, default=-1, help="random seed, -1 = random (default -1)")
+    p.add_argument("-s", "--seed", type=seed_arg, default=-1,
+                   help="random seed, -1 = random (default -1); any integer, wrapped to 32 bits as llama.cpp does")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="never end at EOS / end of turn: they are banned (a -inf logit bias), as llama.cpp does")

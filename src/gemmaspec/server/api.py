@@ -28,6 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..errors import GemmaspecError
 from ..sampling import SamplingParams, ban_end_of_generation
+from ..seeds import SEED_RANDOM
 from ..streaming import stop_matcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .scheduler import Job, Scheduler
@@ -236,10 +237,12 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                      "architecture": getattr(e.model.config, "architecture", "")}}]}
 
     def settings(params: SamplingParams | None = None, n_max=None, n_min=None) -> dict:
-        """llama-server's ``params`` / ``generation_settings`` for a request (default: the server's)."""
+        """llama-server's ``params`` / ``generation_settings`` for a request (default: the server's); the
+        seed as llama-server shows it, a uint32 (4294967295: a random one)."""
         p = params or cfg.defaults
         n_pred = p.max_tokens if params is not None else (cfg.n_predict if cfg.n_predict is not None else -1)
-        return {"n_predict": n_pred, "max_tokens": n_pred, "seed": p.seed, "temperature": p.temperature,
+        return {"n_predict": n_pred, "max_tokens": n_pred, "seed": SEED_RANDOM if p.seed < 0 else p.seed,
+                "temperature": p.temperature,
                 "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n,
                 "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
                 "frequency_penalty": p.frequency_penalty, "logit_bias": logit_bias_json(p, info["engine"].tokenizer.stop_ids),

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError, ModelFileError
+from ..seeds import seed_arg
 from ..speculative.options import parse_n_max
 
 
@@ -64,7 +65,8 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     d.add_argument("--top-p", type=float, default=None, help="top-p (default 0.95)")
     d.add_argument("--min-p", type=float, default=None, help="min-p (default 0.05)")
     d.add_argument("--repeat-penalty", type=float, default=None, help="repetition penalty (default 1.0)")
-    d.add_argument("-s", "--seed", type=int, default=None, help="seed (default -1: a random seed per request)")
+    d.add_argument("-s", "--seed", type=seed_arg, default=None,
+                   help="seed (default -1: a random seed per request); any integer, wrapped to 32 bits as llama.cpp does")
     add_spec(s, default=None,
              help_default="default: what ships as fastest for the model (the default model: ngram-simple,draft-mtp), "
                           "else ngram-simple; with -md: draft-mtp for an assistant, else draft-simple")

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import GemmaspecError
 from ..sampling import SamplingParams
+from ..seeds import llama_seed
 from ..speculative.options import parse_n_max
 from .apierror import APIError  # noqa: F401 (re-exported: the server's error type)
 from .scheduler import Job
@@ -310,9 +311,10 @@ def token_limit(req: GenerationRequest) -> tuple[str, int | None]:
 def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
                     defaults: SamplingParams | None = None, tokenizer=None, max_n: int = 1) -> SamplingParams:
     """The request's :class:`SamplingParams`; unset fields take the server's defaults (``--temp``,
-    ``--seed``, ``-n``...). The token limit is :func:`token_limit`'s: -1 means until a stop or a full
-    context, 0 runs the prompt only (into the slot's cache; llama-server's ``n_predict: 0``); a limit
-    above the context is accepted and generation ends at the context, as llama-server does (``ctx``
+    ``--seed``, ``-n``...). ``seed`` may be any integer: it wraps to 32 bits as llama-server reads it
+    (:func:`~gemmaspec.seeds.llama_seed`: -2 is seed 4294967294, -1 and 4294967295 a random one).
+    The token limit is :func:`token_limit`'s: -1 means until a stop or a full context, 0 runs the
+    prompt only (into the slot's cache; llama-server's ``n_predict: 0``); a limit above the context is accepted and generation ends at the context, as llama-server does (``ctx``
     is kept for callers and not used to refuse). ``max_n``: the most choices (``n``) the endpoint takes.
 
     Raises:
@@ -342,8 +344,7 @@ def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
     for name, ok, rule in (("top_k", lambda v: v >= 0, ">= 0 (0 disables it)"),
                            ("min_p", lambda v: 0 <= v <= 1, "between 0 and 1 (0 disables it)"),
                            ("repeat_penalty", lambda v: math.isfinite(v) and v > 0, "> 0 (1 disables it)"),
-                           ("repeat_last_n", lambda v: v >= 0, ">= 0 (0 disables it)"),
-                           ("seed", lambda v: v >= -1, ">= 0, or -1 for a random one")):
+                           ("repeat_last_n", lambda v: v >= 0, ">= 0 (0 disables it)")):
         v = getattr(req, name)  # named as the request spells it (the library's messages use the flags')
         if v is not None and not ok(v):
             raise APIError(400, f"{name} must be {rule} (got {v})")
@@ -362,7 +363,7 @@ def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
             repeat_last_n=d.repeat_last_n if req.repeat_last_n is None else req.repeat_last_n,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=_logit_bias(req.logit_bias, vocab, tokenizer),
-            max_tokens=max_tokens, seed=d.seed if req.seed is None else req.seed,
+            max_tokens=max_tokens, seed=d.seed if req.seed is None else llama_seed(req.seed),
             stop=tuple(s for s in stop if s), ignore_eos=req.ignore_eos).validate()
     except GemmaspecError as exc:
         raise APIError(400, str(exc)) from None
