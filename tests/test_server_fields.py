@@ -282,3 +282,51 @@ def test_generation_settings_show_the_seed_as_a_uint32(srv):
     assert seed_of(-2) == seed_of(2**32 - 2) == 4294967294 and seed_of(2**32 + 5) == 5
     assert seed_of(-1) == seed_of(None) == 4294967295  # llama-server's LLAMA_DEFAULT_SEED: a random one
     assert httpx.get(srv.url + "/props").json()["default_generation_settings"]["params"]["seed"] == 4294967295
+
+
+def _timings(r: httpx.Response, stream: bool) -> dict:
+    if not stream:
+        return r.json()["timings"]
+    events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+    return [e["timings"] for e in events if "timings" in e][-1]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", PATHS)
+def test_speculative_p_min_applies_to_the_request_only(srv, path, stream):
+    """llama-server's per-request ``speculative.p_min``: the MTP assistant (after n-gram lookup in the
+    default ``ngram-simple,draft-mtp``) stops drafting below it, so 1.0 drafts (nearly) nothing and 0
+    drafts the most; greedy output is unchanged, and the slot's own value (0.3) is back afterwards."""
+    base = _fresh(path, max_tokens=24, ignore_eos=True, cache_prompt=False, id_slot=0, stream=stream)
+
+    def run(**extra):
+        r = _post(srv, path, {**base, **extra})
+        return _result(path, r, stream), _timings(r, stream)["draft_n"]
+
+    before = run()
+    text, none = run(**{"speculative.p_min": 1.0})
+    assert httpx.get(srv.url + "/slots").json()[0]["params"]["speculative.p_min"] == 1.0
+    text0, most = run(**{"speculative.p_min": 0})
+    assert text == text0 == before[0] and none < before[1] and none < most, (none, before[1], most)
+    assert run() == before
+    assert httpx.get(srv.url + "/slots").json()[0]["params"]["speculative.p_min"] == 0.3
+
+
+def test_generation_settings_show_the_requests_p_min(srv):
+    body = _body("/completion", n_predict=1)
+    assert _post(srv, "/completion", body).json()["generation_settings"]["speculative.p_min"] == 0.3
+    r = _post(srv, "/completion", {**body, "speculative.p_min": 0.75}).json()
+    assert r["generation_settings"]["speculative.p_min"] == 0.75
+    chat = _post(srv, "/v1/chat/completions", _body("/v1/chat/completions", max_tokens=1, verbose=True,
+                                                   **{"speculative.p_min": 0.5})).json()
+    assert chat["__verbose"]["generation_settings"]["speculative.p_min"] == 0.5
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", PATHS)
+def test_an_out_of_range_p_min_is_a_400_naming_it(srv, path, stream):
+    for spec in ({}, {"speculative.n_max": 0}):
+        for bad in (1.5, -0.1, "high", True):
+            r = _post(srv, path, _body(path, max_tokens=2, stream=stream, **spec, **{"speculative.p_min": bad}))
+            assert r.status_code == 400 and "speculative.p_min" in r.json()["error"]["message"], (bad, r.text)
+        assert _post(srv, path, _body(path, max_tokens=2, **spec, **{"speculative.p_min": 0.9})).status_code == 200

@@ -500,11 +500,19 @@ def native_prompts(prompt, engine) -> list[list[int]]:
     return [completion_prompt(p, engine) for p in prompt]
 
 
-def spec_overrides(req, cfg) -> tuple[int | str, int]:
-    """llama-server's per-request ``speculative.n_max`` / ``speculative.n_min`` (n_max 0 turns drafting
-    off for the request); the server's settings otherwise."""
+def spec_overrides(req, cfg) -> tuple[int | str, int, float | None]:
+    """llama-server's per-request ``speculative.n_max`` / ``speculative.n_min`` / ``speculative.p_min``
+    as ``(n_max, n_min, p_min)``: n_max 0 turns drafting off for the request; p_min (0..1) is the
+    draft probability below which a model drafter (``draft-mtp``, ``draft-simple``) stops its round,
+    None when the request leaves it to the server (``--spec-draft-p-min``); the server's settings
+    otherwise. A drafter without a probability (``ngram-simple``) ignores p_min, as llama-server's does.
+
+    Raises:
+        APIError: 400 naming the field for a value of the wrong type or out of range.
+    """
     extra = req.model_extra or {}
     n_max, n_min = extra.get("speculative.n_max"), extra.get("speculative.n_min")
+    p_min = extra.get("speculative.p_min")
     out_max = cfg.n_max if n_max is None else n_max
     out_min = cfg.n_min if n_min is None else n_min
     if not isinstance(out_max, (int, str)) or isinstance(out_max, bool) or (isinstance(out_max, str) and out_max != "auto"):
@@ -515,7 +523,10 @@ def spec_overrides(req, cfg) -> tuple[int | str, int]:
         raise APIError(400, str(exc)) from None
     if not (isinstance(out_min, int) and not isinstance(out_min, bool) and out_min >= 0):
         raise APIError(400, f"speculative.n_min must be >= 0 (got {n_min!r})")
-    return out_max, out_min
+    if p_min is not None and not (isinstance(p_min, (int, float)) and not isinstance(p_min, bool)
+                                  and 0.0 <= p_min <= 1.0):
+        raise APIError(400, f"speculative.p_min must be a number in [0, 1] (got {p_min!r})")
+    return out_max, out_min, None if p_min is None else float(p_min)
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
