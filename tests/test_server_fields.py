@@ -142,9 +142,9 @@ def test_another_users_request_does_not_evict_a_cached_conversation(srv):
     ("/v1/completions", {"min_tokens": 8}, "min_tokens"),
     ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/completions", {"stop_token_ids": [1]}, "stop_token_ids"),
-    ("/completion", {"top_k": -1}, "top_k"), ("/v1/completions", {"min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"min_p": 1.5}, "min_p"),
     ("/v1/chat/completions", {"repeat_penalty": 0}, "repeat_penalty"),
-    ("/completion", {"repeat_last_n": -1}, "repeat_last_n"), ("/v1/completions", {"seed": 1.5}, "seed"),
+    ("/completion", {"repeat_last_n": -2}, "repeat_last_n"), ("/v1/completions", {"seed": 1.5}, "seed"),
 ])
 def test_fields_that_would_change_the_output_are_400s_naming_them(srv, path, extra, field):
     r = _post(srv, path, _body(path, max_tokens=2, **extra))
@@ -282,6 +282,20 @@ def test_generation_settings_show_the_seed_as_a_uint32(srv):
     assert seed_of(-2) == seed_of(2**32 - 2) == 4294967294 and seed_of(2**32 + 5) == 5
     assert seed_of(-1) == seed_of(None) == 4294967295  # llama-server's LLAMA_DEFAULT_SEED: a random one
     assert httpx.get(srv.url + "/props").json()["default_generation_settings"]["params"]["seed"] == 4294967295
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", PATHS)
+def test_negative_top_k_and_repeat_last_n_read_as_llama_server(srv, path, stream):
+    """llama.cpp's top-k is off at k <= 0 (vLLM's ``top_k: -1`` means off too) and llama-server's
+    ``repeat_last_n: -1`` is the context size: both were 400s. Drafting on and off."""
+    for spec in ({}, {"speculative.n_max": 0}):
+        base = _fresh(path, stream=stream, **SAMPLED, seed=5, repeat_penalty=1.5, **spec)
+        got = [_result(path, _post(srv, path, {**base, **k}), stream)
+               for k in ({"top_k": -1}, {"top_k": 0}, {"repeat_last_n": -1}, {"repeat_last_n": CTX})]
+        assert got[0] == got[1] and got[2] == got[3], spec
+    r = _post(srv, "/completion", _body("/completion", n_predict=1, top_k=-1, repeat_last_n=-1)).json()
+    assert (r["generation_settings"]["top_k"], r["generation_settings"]["repeat_last_n"]) == (0, CTX)
 
 
 def _timings(r: httpx.Response, stream: bool) -> dict:

@@ -421,7 +421,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     def params_for(req, default_max, max_n=1):
         e = info["engine"]
         default = cfg.n_predict if cfg.n_predict is not None else default_max
-        return sampling_params(req, None if cfg.context_shift else e.ctx_size, default_max=default,
+        return sampling_params(req, e.ctx_size, default_max=default,
                                defaults=cfg.defaults,
                                tokenizer=e.tokenizer, max_n=max_n)
 

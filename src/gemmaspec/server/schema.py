@@ -314,8 +314,11 @@ def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
     ``--seed``, ``-n``...). ``seed`` may be any integer: it wraps to 32 bits as llama-server reads it
     (:func:`~gemmaspec.seeds.llama_seed`: -2 is seed 4294967294, -1 and 4294967295 a random one).
     The token limit is :func:`token_limit`'s: -1 means until a stop or a full context, 0 runs the
-    prompt only (into the slot's cache; llama-server's ``n_predict: 0``); a limit above the context is accepted and generation ends at the context, as llama-server does (``ctx``
-    is kept for callers and not used to refuse). ``max_n``: the most choices (``n``) the endpoint takes.
+    prompt only (into the slot's cache; llama-server's ``n_predict: 0``); a limit above the context
+    is accepted and generation ends at the context, as llama-server does. ``top_k`` 0 or below turns
+    top-k off (llama.cpp's sampler skips k <= 0); ``repeat_last_n`` -1 covers the context size
+    ``ctx`` (llama-server's n_ctx; None: the whole history). ``max_n``: the most choices (``n``) the
+    endpoint takes.
 
     Raises:
         APIError: 400 naming the bad field.
@@ -341,10 +344,9 @@ def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
         v = getattr(req, name)
         if v is not None and not (math.isfinite(v) and -2 <= v <= 2):
             raise APIError(400, f"{name} must be between -2 and 2 (got {v})")
-    for name, ok, rule in (("top_k", lambda v: v >= 0, ">= 0 (0 disables it)"),
-                           ("min_p", lambda v: 0 <= v <= 1, "between 0 and 1 (0 disables it)"),
+    for name, ok, rule in (("min_p", lambda v: 0 <= v <= 1, "between 0 and 1 (0 disables it)"),
                            ("repeat_penalty", lambda v: math.isfinite(v) and v > 0, "> 0 (1 disables it)"),
-                           ("repeat_last_n", lambda v: v >= 0, ">= 0 (0 disables it)")):
+                           ("repeat_last_n", lambda v: v >= -1, ">= 0 (0 disables it), or -1 for the whole context")):
         v = getattr(req, name)  # named as the request spells it (the library's messages use the flags')
         if v is not None and not ok(v):
             raise APIError(400, f"{name} must be {rule} (got {v})")
@@ -355,12 +357,16 @@ def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
     if long:
         raise APIError(400, f"a stop string is {len(long[0])} characters long (at most {MAX_STOP_CHARS})")
     vocab = tokenizer.vocab_size if tokenizer is not None else 1 << 30
+    top_k = d.top_k if req.top_k is None else max(req.top_k, 0)  # llama.cpp's top-k is off at k <= 0
+    last_n = d.repeat_last_n if req.repeat_last_n is None else req.repeat_last_n
+    if last_n == -1:  # llama-server's: the context size
+        last_n = ctx if ctx is not None else 1 << 31
     try:
         return SamplingParams(
-            temperature=temp, top_p=top_p, top_k=d.top_k if req.top_k is None else req.top_k,
+            temperature=temp, top_p=top_p, top_k=top_k,
             min_p=d.min_p if req.min_p is None else req.min_p,
             repeat_penalty=d.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
-            repeat_last_n=d.repeat_last_n if req.repeat_last_n is None else req.repeat_last_n,
+            repeat_last_n=last_n,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=_logit_bias(req.logit_bias, vocab, tokenizer),
             max_tokens=max_tokens, seed=d.seed if req.seed is None else llama_seed(req.seed),
