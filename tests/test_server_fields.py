@@ -344,3 +344,20 @@ def test_an_out_of_range_p_min_is_a_400_naming_it(srv, path, stream):
             r = _post(srv, path, _body(path, max_tokens=2, stream=stream, **spec, **{"speculative.p_min": bad}))
             assert r.status_code == 400 and "speculative.p_min" in r.json()["error"]["message"], (bad, r.text)
         assert _post(srv, path, _body(path, max_tokens=2, **spec, **{"speculative.p_min": 0.9})).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", PATHS)
+def test_speculative_n_max_and_n_min_clamp_as_llama_server(srv, path, stream):
+    """llama-server clamps ``speculative.n_max`` below 0 to 0 (drafting off) and ``speculative.n_min`` to
+    0..n_max: a negative value was a 400 here."""
+    base = _fresh(path, max_tokens=8, ignore_eos=True, stream=stream)
+    r = _post(srv, path, {**base, "speculative.n_max": -1})
+    off = _post(srv, path, {**base, "speculative.n_max": 0})
+    assert _result(path, r, stream) == _result(path, off, stream) and _timings(r, stream)["draft_n"] == 0
+    r = _post(srv, path, {**base, "speculative.n_min": -3})
+    assert _result(path, r, stream) == _result(path, _post(srv, path, base), stream)
+    assert _timings(r, stream)["draft_n"] > 0
+    body = _body("/completion", n_predict=1, **{"speculative.n_max": 2, "speculative.n_min": 9})
+    settings = _post(srv, "/completion", body).json()["generation_settings"]
+    assert (settings["speculative.n_max"], settings["speculative.n_min"]) == (2, 2)

@@ -508,7 +508,8 @@ def native_prompts(prompt, engine) -> list[list[int]]:
 
 def spec_overrides(req, cfg) -> tuple[int | str, int, float | None]:
     """llama-server's per-request ``speculative.n_max`` / ``speculative.n_min`` / ``speculative.p_min``
-    as ``(n_max, n_min, p_min)``: n_max 0 turns drafting off for the request; p_min (0..1) is the
+    as ``(n_max, n_min, p_min)``: n_max 0 (or below, as llama-server clamps it) turns drafting off for
+    the request, n_min is clamped to 0..n_max as llama-server does; p_min (0..1) is the
     draft probability below which a model drafter (``draft-mtp``, ``draft-simple``) stops its round,
     None when the request leaves it to the server (``--spec-draft-p-min``); the server's settings
     otherwise. A drafter without a probability (``ngram-simple``) ignores p_min, as llama-server's does.
@@ -523,12 +524,15 @@ def spec_overrides(req, cfg) -> tuple[int | str, int, float | None]:
     out_min = cfg.n_min if n_min is None else n_min
     if not isinstance(out_max, (int, str)) or isinstance(out_max, bool) or (isinstance(out_max, str) and out_max != "auto"):
         raise APIError(400, f"speculative.n_max must be a number or 'auto' (got {n_max!r})")
+    if isinstance(out_max, int) and out_max < 0:  # llama-server's max(n_max, 0): off
+        out_max = 0
     try:
         out_max = parse_n_max(out_max, "speculative.n_max")
     except GemmaspecError as exc:
         raise APIError(400, str(exc)) from None
-    if not (isinstance(out_min, int) and not isinstance(out_min, bool) and out_min >= 0):
-        raise APIError(400, f"speculative.n_min must be >= 0 (got {n_min!r})")
+    if not (isinstance(out_min, int) and not isinstance(out_min, bool)):
+        raise APIError(400, f"speculative.n_min must be a number (got {n_min!r})")
+    out_min = max(out_min, 0) if out_max == "auto" else max(min(out_min, out_max), 0)  # llama-server's clamps
     if p_min is not None and not (isinstance(p_min, (int, float)) and not isinstance(p_min, bool)
                                   and 0.0 <= p_min <= 1.0):
         raise APIError(400, f"speculative.p_min must be a number in [0, 1] (got {p_min!r})")
