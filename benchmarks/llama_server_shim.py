@@ -37,9 +37,9 @@ DROP_VALUE = {"--model", "-m", "--hf-repo", "-hf", "--hf-file", "-hff", "--model
               "--pooling", "--model-draft", "--cache-ram", "--sleep-idle-seconds", "--media-path",
               "--tools-runtime", "--spec-synth-len", "--spec-synth-rates", "--cache-reuse-hybrid",
               "--cache-reuse-hybrid-min-share", "--log-file", "--models-max", "--models-preset"}
-FLAG = {"--slots", "--no-slots", "--verbose", "--no-ui"}  # passed on as they are
+FLAG = {"--slots", "--no-slots", "--verbose", "--no-ui", "--context-shift"}  # passed on as they are
 DROP_FLAG = {"--offline", "--cont-batching", "--metrics", "--kv-unified", "--swa-full",
-             "--context-shift", "--no-models-autoload", "--jinja", "--no-jinja",
+             "--no-models-autoload", "--jinja", "--no-jinja",
              "--no-mmproj", "--no-cache-idle-slots", "--ui-mcp-proxy", "--backend_sampling"}
 UNSUPPORTED = {"--embedding": "embeddings", "--embeddings": "embeddings", "--reranking": "reranking",
                "--lora": "LoRA adapters", "--mmproj-url": "images (multimodal projector)",

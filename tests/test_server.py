@@ -221,7 +221,7 @@ def _err(resp, status, *needles):
     ("/v1/completions", b'{"prompt": "x", "stop": [3]}', 400, "'stop'"),
     ("/v1/completions", b'{"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i"], "n": 2}', 400, "choices"),
     ("/v1/completions", b'{"prompt": [999999999]}', 400, "vocabulary"),
-    ("/v1/completions", b'{"prompt": "x", "seed": -7}', 400, "seed"),
+    ("/v1/completions", b'{"prompt": "x", "seed": 0.5}', 400, "seed"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": -3}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
     ("/v1/completions", b'{"prompt": "x", "temperature": 2.5}', 400, "temperature"),

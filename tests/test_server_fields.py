@@ -142,9 +142,9 @@ def test_another_users_request_does_not_evict_a_cached_conversation(srv):
     ("/v1/completions", {"min_tokens": 8}, "min_tokens"),
     ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/completions", {"stop_token_ids": [1]}, "stop_token_ids"),
-    ("/completion", {"top_k": -1}, "top_k"), ("/v1/completions", {"min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"min_p": 1.5}, "min_p"),
     ("/v1/chat/completions", {"repeat_penalty": 0}, "repeat_penalty"),
-    ("/completion", {"repeat_last_n": -1}, "repeat_last_n"), ("/v1/completions", {"seed": -5}, "seed"),
+    ("/completion", {"repeat_last_n": -2}, "repeat_last_n"), ("/v1/completions", {"seed": 1.5}, "seed"),
 ])
 def test_fields_that_would_change_the_output_are_400s_naming_them(srv, path, extra, field):
     r = _post(srv, path, _body(path, max_tokens=2, **extra))
@@ -248,3 +248,116 @@ def test_chat_template_kwargs_reach_the_template(srv, tokenizer):
     for path in ("/apply-template", "/v1/chat/completions"):
         r = _post(srv, path, {**body, "chat_template_kwargs": {"messages": []}, "max_tokens": 2})
         assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"], r.text
+
+
+SAMPLED = {"max_tokens": 8, "ignore_eos": True, "temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+           "cache_prompt": False}
+FRESH = "Describe a quiet morning at a mountain lake, with birds and mist."  # open-ended, little to copy
+
+
+def _fresh(path: str, **extra) -> dict:
+    body = {"messages": [{"role": "user", "content": FRESH}]} if "chat" in path else {"prompt": FRESH}
+    return {**body, **extra}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", PATHS)
+def test_any_integer_seed_is_the_uint32_llama_server_reads(srv, path, stream):
+    """llama-server reads ``seed`` as a uint32 (-2 is 4294967294) and OpenAI and vLLM take any int64:
+    every integer is accepted (negative ones other than -1 were a 400) and samples as the wrapped
+    seed does, drafting on and off."""
+    for spec in ({}, {"speculative.n_max": 0}):
+        base = _fresh(path, stream=stream, **SAMPLED, **spec)
+        got = {seed: _result(path, _post(srv, path, {**base, "seed": seed}), stream)
+               for seed in (-2, 2**32 - 2, -(2**40) + 3, 3)}
+        assert got[-2] == got[2**32 - 2] and got[-(2**40) + 3] == got[3], spec
+        assert got[3] != got[2**32 - 2]  # the seed matters: the equalities are not vacuous
+
+
+def test_generation_settings_show_the_seed_as_a_uint32(srv):
+    def seed_of(seed):
+        body = _body("/completion", n_predict=1, **({} if seed is None else {"seed": seed}))
+        return _post(srv, "/completion", body).json()["generation_settings"]["seed"]
+
+    assert seed_of(-2) == seed_of(2**32 - 2) == 4294967294 and seed_of(2**32 + 5) == 5
+    assert seed_of(-1) == seed_of(None) == 4294967295  # llama-server's LLAMA_DEFAULT_SEED: a random one
+    assert httpx.get(srv.url + "/props").json()["default_generation_settings"]["params"]["seed"] == 4294967295
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", PATHS)
+def test_negative_top_k_and_repeat_last_n_read_as_llama_server(srv, path, stream):
+    """llama.cpp's top-k is off at k <= 0 (vLLM's ``top_k: -1`` means off too) and llama-server's
+    ``repeat_last_n: -1`` is the context size: both were 400s. Drafting on and off."""
+    for spec in ({}, {"speculative.n_max": 0}):
+        base = _fresh(path, stream=stream, **SAMPLED, seed=5, repeat_penalty=1.5, **spec)
+        got = [_result(path, _post(srv, path, {**base, **k}), stream)
+               for k in ({"top_k": -1}, {"top_k": 0}, {"repeat_last_n": -1}, {"repeat_last_n": CTX})]
+        assert got[0] == got[1] and got[2] == got[3], spec
+    r = _post(srv, "/completion", _body("/completion", n_predict=1, top_k=-1, repeat_last_n=-1)).json()
+    assert (r["generation_settings"]["top_k"], r["generation_settings"]["repeat_last_n"]) == (0, CTX)
+
+
+def _timings(r: httpx.Response, stream: bool) -> dict:
+    if not stream:
+        return r.json()["timings"]
+    events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+    return [e["timings"] for e in events if "timings" in e][-1]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", PATHS)
+def test_speculative_p_min_applies_to_the_request_only(srv, path, stream):
+    """llama-server's per-request ``speculative.p_min``: the MTP assistant (after n-gram lookup in the
+    default ``ngram-simple,draft-mtp``) stops drafting below it, so 1.0 drafts (nearly) nothing and 0
+    drafts the most; greedy output is unchanged, and the slot's own value (0.3) is back afterwards."""
+    base = _fresh(path, max_tokens=24, ignore_eos=True, cache_prompt=False, id_slot=0, stream=stream)
+
+    def run(**extra):
+        r = _post(srv, path, {**base, **extra})
+        return _result(path, r, stream), _timings(r, stream)["draft_n"]
+
+    before = run()
+    text, none = run(**{"speculative.p_min": 1.0})
+    assert httpx.get(srv.url + "/slots").json()[0]["params"]["speculative.p_min"] == 1.0
+    text0, most = run(**{"speculative.p_min": 0})
+    assert text == text0 == before[0] and none < before[1] and none < most, (none, before[1], most)
+    assert run() == before
+    assert httpx.get(srv.url + "/slots").json()[0]["params"]["speculative.p_min"] == 0.3
+
+
+def test_generation_settings_show_the_requests_p_min(srv):
+    body = _body("/completion", n_predict=1)
+    assert _post(srv, "/completion", body).json()["generation_settings"]["speculative.p_min"] == 0.3
+    r = _post(srv, "/completion", {**body, "speculative.p_min": 0.75}).json()
+    assert r["generation_settings"]["speculative.p_min"] == 0.75
+    chat = _post(srv, "/v1/chat/completions", _body("/v1/chat/completions", max_tokens=1, verbose=True,
+                                                   **{"speculative.p_min": 0.5})).json()
+    assert chat["__verbose"]["generation_settings"]["speculative.p_min"] == 0.5
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", PATHS)
+def test_an_out_of_range_p_min_is_a_400_naming_it(srv, path, stream):
+    for spec in ({}, {"speculative.n_max": 0}):
+        for bad in (1.5, -0.1, "high", True):
+            r = _post(srv, path, _body(path, max_tokens=2, stream=stream, **spec, **{"speculative.p_min": bad}))
+            assert r.status_code == 400 and "speculative.p_min" in r.json()["error"]["message"], (bad, r.text)
+        assert _post(srv, path, _body(path, max_tokens=2, **spec, **{"speculative.p_min": 0.9})).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", PATHS)
+def test_speculative_n_max_and_n_min_clamp_as_llama_server(srv, path, stream):
+    """llama-server clamps ``speculative.n_max`` below 0 to 0 (drafting off) and ``speculative.n_min`` to
+    0..n_max: a negative value was a 400 here."""
+    base = _fresh(path, max_tokens=8, ignore_eos=True, stream=stream)
+    r = _post(srv, path, {**base, "speculative.n_max": -1})
+    off = _post(srv, path, {**base, "speculative.n_max": 0})
+    assert _result(path, r, stream) == _result(path, off, stream) and _timings(r, stream)["draft_n"] == 0
+    r = _post(srv, path, {**base, "speculative.n_min": -3})
+    assert _result(path, r, stream) == _result(path, _post(srv, path, base), stream)
+    assert _timings(r, stream)["draft_n"] > 0
+    body = _body("/completion", n_predict=1, **{"speculative.n_max": 2, "speculative.n_min": 9})
+    settings = _post(srv, "/completion", body).json()["generation_settings"]
+    assert (settings["speculative.n_max"], settings["speculative.n_min"]) == (2, 2)

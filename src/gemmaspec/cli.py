@@ -20,6 +20,7 @@ import sys
 import time
 
 from .errors import GemmaspecError, InputError
+from .seeds import seed_arg
 from .speculative.options import SPEC_TYPES, parse_n_max, parse_spec_type
 
 _CHAT_HINT = "gemmaspec generate answers one prompt; for a conversation use `gemmaspec chat`"
@@ -134,12 +135,13 @@ def _add_spec(p: argparse.ArgumentParser, default: str | None = "none", help_def
 def _add_sampling(p: argparse.ArgumentParser, n_default: int, n_help: str) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=n_default, help=n_help)
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k, 0 or below = off (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p, 1 = off (default 0.95)")
     p.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default 0.05)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty, 1 = off (default 1.0)")
-    p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back over (default 64)")
-    p.add_argument("-s", "--seed", type=int, default=-1, help="random seed, -1 = random (default -1)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back over (default 64, 0 = off, -1 = the whole context)")
+    p.add_argument("-s", "--seed", type=seed_arg, default=-1,
+                   help="random seed, -1 = random (default -1); any integer, wrapped to 32 bits as llama.cpp does")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="never end at EOS / end of turn: they are banned (a -inf logit bias), as llama.cpp does")
@@ -282,8 +284,13 @@ def _sampling_params(args):
     if args.n_predict == 0:  # the library's "prompt only" has no use on the command line
         raise InputError("the number of tokens to generate must be >= 1, or -1 for no limit (got 0)")
 
-    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+    if args.repeat_last_n < -1:
+        raise InputError(f"--repeat-last-n must be >= 0 (0 disables it), or -1 for the whole context "
+                         f"(got {args.repeat_last_n})")
+    # llama.cpp's -1 = ctx_size: the whole history, which never outgrows the context (a shift drops tokens)
+    last_n = 1 << 31 if args.repeat_last_n == -1 else args.repeat_last_n
+    return SamplingParams(temperature=args.temp, top_k=max(args.top_k, 0), top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=last_n,
                           max_tokens=args.n_predict, seed=args.seed, stop=tuple(s for s in args.stop if s),
                           ignore_eos=args.ignore_eos).validate()
 

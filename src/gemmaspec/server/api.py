@@ -28,6 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..errors import GemmaspecError
 from ..sampling import SamplingParams, ban_end_of_generation
+from ..seeds import SEED_RANDOM
 from ..streaming import stop_matcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .scheduler import Job, Scheduler
@@ -241,18 +242,21 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
             "meta": {"n_ctx": e.ctx_size, "n_vocab": e.tokenizer.vocab_size,
                      "architecture": getattr(e.model.config, "architecture", "")}}]}
 
-    def settings(params: SamplingParams | None = None, n_max=None, n_min=None) -> dict:
-        """llama-server's ``params`` / ``generation_settings`` for a request (default: the server's)."""
+    def settings(params: SamplingParams | None = None, n_max=None, n_min=None, p_min=None) -> dict:
+        """llama-server's ``params`` / ``generation_settings`` for a request (default: the server's); the
+        seed as llama-server shows it, a uint32 (4294967295: a random one)."""
         p = params or cfg.defaults
         n_pred = p.max_tokens if params is not None else (cfg.n_predict if cfg.n_predict is not None else -1)
-        return {"n_predict": n_pred, "max_tokens": n_pred, "seed": p.seed, "temperature": p.temperature,
+        return {"n_predict": n_pred, "max_tokens": n_pred, "seed": SEED_RANDOM if p.seed < 0 else p.seed,
+                "temperature": p.temperature,
                 "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n,
                 "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
                 "frequency_penalty": p.frequency_penalty, "logit_bias": logit_bias_json(p, info["engine"].tokenizer.stop_ids),
                 **OFF_SAMPLERS, "stop": list(p.stop), "ignore_eos": p.ignore_eos, "n_probs": 0,
                 "samplers": ["logit_bias", "penalties", "top_k", "top_p", "min_p", "temperature"],
                 "speculative.n_max": cfg.n_max if n_max is None else n_max,
-                "speculative.n_min": cfg.n_min if n_min is None else n_min, "speculative.p_min": info["p_min"]}
+                "speculative.n_min": cfg.n_min if n_min is None else n_min,
+                "speculative.p_min": info["p_min"] if p_min is None else p_min}
 
     def describe(job, last=None) -> dict:
         """A slot's llama-server fields: the running request's (``job``), or the last one's
@@ -261,7 +265,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         p = job.params if job else None
         task = job or last
         return {"id_task": task.id_task, "speculative": info["spec_type"] != "none",
-                "params": settings(task.params, task.n_max, task.n_min),
+                "params": settings(task.params, task.n_max, task.n_min, task.p_min),
                 "next_token": [{"has_next_token": job is not None, "has_new_line": False,  # a list, as llama-server's
                                 "n_remain": -1 if p is None or p.max_tokens == -1 else p.max_tokens - st.generated_tokens,
                                 "n_decoded": st.generated_tokens if st else 0}]}
@@ -423,7 +427,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     def params_for(req, default_max, max_n=1):
         e = info["engine"]
         default = cfg.n_predict if cfg.n_predict is not None else default_max
-        return sampling_params(req, None if cfg.context_shift else e.ctx_size, default_max=default,
+        return sampling_params(req, e.ctx_size, default_max=default,
                                defaults=cfg.defaults,
                                tokenizer=e.tokenizer, max_n=max_n)
 
@@ -471,12 +475,12 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         if not 0 <= req.n_probs <= 20:
             raise APIError(400, f"n_probs must be in 0..20 (got {req.n_probs})")
         check_slot(req)
-        n_max, n_min = spec_overrides(req, cfg)
+        n_max, n_min, p_min = spec_overrides(req, cfg)
         grammar = grammar_of(body)
         if req.post_sampling_probs and grammar is not None:
             raise APIError(400, f"post_sampling_probs cannot be combined with '{grammar.field}'")
         fmts = [NativeFormatter(info["model_id"], e.tokenizer, req.n_probs, req.return_tokens,
-                                {**settings(params, n_max, n_min), "n_probs": req.n_probs, "n_ctx": e.ctx_size,
+                                {**settings(params, n_max, n_min, p_min), "n_probs": req.n_probs, "n_ctx": e.ctx_size,
                                  "model": info["model_id"], "post_sampling_probs": req.post_sampling_probs,
                                  "timings_per_token": req.timings_per_token},
                                 e.tokenizer.decode(ids), timings_per_token=req.timings_per_token,
@@ -599,9 +603,9 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         if not (cfg.verbose or req.verbose):
             return None
         e = info["engine"]
-        n_max, n_min = spec_overrides(req, cfg)
+        n_max, n_min, p_min = spec_overrides(req, cfg)
         return NativeFormatter(info["model_id"], e.tokenizer, 0, False,
-                               {**settings(params, n_max, n_min), "n_ctx": e.ctx_size, "model": info["model_id"]},
+                               {**settings(params, n_max, n_min, p_min), "n_ctx": e.ctx_size, "model": info["model_id"]},
                                e.tokenizer.decode(ids))
 
     def _include_usage(req) -> bool | None:
@@ -628,7 +632,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         e = info["engine"]
         # any model name is accepted while one model is served (llama-server does the same)
         _check_context(ids)
-        n_max, n_min = spec_overrides(req, cfg)
+        n_max, n_min, p_min = spec_overrides(req, cfg)
         if params.stop:  # build the stop-string automaton here, not on the scheduler thread
             await asyncio.to_thread(stop_matcher, tuple(params.stop))
         constraint = None
@@ -646,7 +650,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 pass
 
         name = getattr(fmt, "id", None) or f"cmpl-{uuid.uuid4().hex[:24]}"
-        job = Job(ids, params, emit, n_max, n_min, logprobs, name=name, endpoint=kind, want_slot=want_slot,
+        job = Job(ids, params, emit, n_max, n_min, logprobs, p_min=p_min, name=name, endpoint=kind, want_slot=want_slot,
                   cache_prompt=req.cache_prompt, constraint=constraint,
                   post_sampling=bool(getattr(req, "post_sampling_probs", False)),
                   progress=req.return_progress and req.stream,

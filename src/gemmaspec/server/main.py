@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError, ModelFileError
+from ..seeds import seed_arg
 from ..speculative.options import parse_n_max
 
 
@@ -60,11 +61,12 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     d.add_argument("-n", "--n-predict", type=int, default=None,
                    help="token limit (default: 16 on /v1/completions, none on chat and /completion; -1 = none)")
     d.add_argument("--temp", type=float, default=None, help="temperature (default 0.8)")
-    d.add_argument("--top-k", type=int, default=None, help="top-k (default 40)")
+    d.add_argument("--top-k", type=int, default=None, help="top-k (default 40; 0 or below = off)")
     d.add_argument("--top-p", type=float, default=None, help="top-p (default 0.95)")
     d.add_argument("--min-p", type=float, default=None, help="min-p (default 0.05)")
     d.add_argument("--repeat-penalty", type=float, default=None, help="repetition penalty (default 1.0)")
-    d.add_argument("-s", "--seed", type=int, default=None, help="seed (default -1: a random seed per request)")
+    d.add_argument("-s", "--seed", type=seed_arg, default=None,
+                   help="seed (default -1: a random seed per request); any integer, wrapped to 32 bits as llama.cpp does")
     add_spec(s, default=None,
              help_default="default: what ships as fastest for the model (the default model: ngram-simple,draft-mtp), "
                           "else ngram-simple; with -md: draft-mtp for an assistant, else draft-simple")
@@ -176,7 +178,8 @@ def serve(args) -> int:
     est = memory_estimate(args, args.parallel, args.parallel + (1 if args.device == "cuda" else 0))
     if args.n_predict is not None and (args.n_predict == 0 or args.n_predict < -1):
         raise InputError(f"-n must be at least 1, or -1 for no limit (got {args.n_predict})")
-    given = {k: v for k, v in (("temperature", args.temp), ("top_k", args.top_k), ("top_p", args.top_p),
+    top_k = None if args.top_k is None else max(args.top_k, 0)  # llama.cpp's top-k is off at k <= 0
+    given = {k: v for k, v in (("temperature", args.temp), ("top_k", top_k), ("top_p", args.top_p),
                                ("min_p", args.min_p), ("repeat_penalty", args.repeat_penalty), ("seed", args.seed))
              if v is not None}
     from ..sampling import SamplingParams

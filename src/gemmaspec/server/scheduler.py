@@ -49,6 +49,8 @@ class Job:
             ``("error", (http_status, message))``; it must be thread-safe and
             must not block. A cancelled job gets nothing more.
         n_max, n_min: draft length (int or "auto") and minimum proposal length for this request.
+        p_min: the slot drafter's ``p_min`` for this request (llama-server's ``speculative.p_min``,
+            0..1), None for the slot's own; the slot's value is restored when the request ends.
         logprobs: None, or how many alternatives to report with each token's log-probability.
         name: request id used in logs and ``/slots`` (``cmpl-...``).
         endpoint: ``completions``, ``chat`` or ``completion`` (llama-server's native; a metrics label).
@@ -78,6 +80,7 @@ class Job:
     n_max: int | str = 0
     n_min: int = 0
     logprobs: int | None = None
+    p_min: float | None = None
     name: str = ""
     endpoint: str = "completions"
     want_slot: int = -1
@@ -116,6 +119,13 @@ class Slot:
     last: Job | None = None  # the last request it finished (llama-server's task_prev)
     cached: list = field(default_factory=list)  # the ids whose KV the cache holds (positions 0..)
     last_used: float = 0.0  # when its last request ended (perf_counter; 0: never)
+    p_min: float | None = None  # its drafter's own p_min (None: the drafter has none)
+
+    def use_p_min(self, value: float | None) -> None:
+        """Set the drafter's ``p_min`` for a request (None: the slot's own); a no-op for a drafter
+        without one (n-gram lookup)."""
+        if self.p_min is not None:
+            self.drafter.p_min = self.p_min if value is None else value
 
 
 SLOT_SIMILARITY = 0.1
@@ -291,7 +301,8 @@ class Scheduler:
             self.slots = []
             for i in range(self.n_slots):
                 cache = engine.model.new_cache(engine.ctx_size, engine.max_rollback)
-                self.slots.append(Slot(i, cache, make_drafter(cache)))
+                drafter = make_drafter(cache)
+                self.slots.append(Slot(i, cache, drafter, p_min=getattr(drafter, "p_min", None)))
             self.batched = hasattr(engine.model, "forward_batch")
         except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits
             if self._on_load_error:
@@ -371,6 +382,7 @@ class Scheduler:
     def _admit(self, s: Slot) -> None:
         job = s.job
         try:
+            s.use_p_min(job.p_min)
             job.state = RequestState(self.engine, job.prompt_ids, job.params, s.drafter, job.n_max, job.n_min,
                                      job.stats, cache=s.cache, logprobs=job.logprobs, constraint=job.constraint,
                                      post_sampling=job.post_sampling, n_keep=job.n_keep, n_discard=job.n_discard)
@@ -442,6 +454,7 @@ class Scheduler:
 
     def _end(self, s: Slot) -> None:
         job = s.job
+        s.use_p_min(None)
         if job.cancelled and job.state is not None:
             job.state.cancel()
         if job.state is not None:
@@ -464,6 +477,7 @@ class Scheduler:
 
     def _fail(self, s: Slot, message: str, status: int = 500) -> None:
         job = s.job
+        s.use_p_min(None)
         s.cached = []
         job.t_done = s.last_used = time.perf_counter()
         with self._cond:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import GemmaspecError
 from ..sampling import SamplingParams
+from ..seeds import llama_seed
 from ..speculative.options import parse_n_max
 from .apierror import APIError  # noqa: F401 (re-exported: the server's error type)
 from .scheduler import Job
@@ -310,10 +311,14 @@ def token_limit(req: GenerationRequest) -> tuple[str, int | None]:
 def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
                     defaults: SamplingParams | None = None, tokenizer=None, max_n: int = 1) -> SamplingParams:
     """The request's :class:`SamplingParams`; unset fields take the server's defaults (``--temp``,
-    ``--seed``, ``-n``...). The token limit is :func:`token_limit`'s: -1 means until a stop or a full
-    context, 0 runs the prompt only (into the slot's cache; llama-server's ``n_predict: 0``); a limit
-    above the context is accepted and generation ends at the context, as llama-server does (``ctx``
-    is kept for callers and not used to refuse). ``max_n``: the most choices (``n``) the endpoint takes.
+    ``--seed``, ``-n``...). ``seed`` may be any integer: it wraps to 32 bits as llama-server reads it
+    (:func:`~gemmaspec.seeds.llama_seed`: -2 is seed 4294967294, -1 and 4294967295 a random one).
+    The token limit is :func:`token_limit`'s: -1 means until a stop or a full context, 0 runs the
+    prompt only (into the slot's cache; llama-server's ``n_predict: 0``); a limit above the context
+    is accepted and generation ends at the context, as llama-server does. ``top_k`` 0 or below turns
+    top-k off (llama.cpp's sampler skips k <= 0); ``repeat_last_n`` -1 covers the context size
+    ``ctx`` (llama-server's n_ctx; None: the whole history). ``max_n``: the most choices (``n``) the
+    endpoint takes.
 
     Raises:
         APIError: 400 naming the bad field.
@@ -339,11 +344,9 @@ def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
         v = getattr(req, name)
         if v is not None and not (math.isfinite(v) and -2 <= v <= 2):
             raise APIError(400, f"{name} must be between -2 and 2 (got {v})")
-    for name, ok, rule in (("top_k", lambda v: v >= 0, ">= 0 (0 disables it)"),
-                           ("min_p", lambda v: 0 <= v <= 1, "between 0 and 1 (0 disables it)"),
+    for name, ok, rule in (("min_p", lambda v: 0 <= v <= 1, "between 0 and 1 (0 disables it)"),
                            ("repeat_penalty", lambda v: math.isfinite(v) and v > 0, "> 0 (1 disables it)"),
-                           ("repeat_last_n", lambda v: v >= 0, ">= 0 (0 disables it)"),
-                           ("seed", lambda v: v >= -1, ">= 0, or -1 for a random one")):
+                           ("repeat_last_n", lambda v: v >= -1, ">= 0 (0 disables it), or -1 for the whole context")):
         v = getattr(req, name)  # named as the request spells it (the library's messages use the flags')
         if v is not None and not ok(v):
             raise APIError(400, f"{name} must be {rule} (got {v})")
@@ -354,15 +357,19 @@ def sampling_params(req: GenerationRequest, ctx: int | None, default_max: int,
     if long:
         raise APIError(400, f"a stop string is {len(long[0])} characters long (at most {MAX_STOP_CHARS})")
     vocab = tokenizer.vocab_size if tokenizer is not None else 1 << 30
+    top_k = d.top_k if req.top_k is None else max(req.top_k, 0)  # llama.cpp's top-k is off at k <= 0
+    last_n = d.repeat_last_n if req.repeat_last_n is None else req.repeat_last_n
+    if last_n == -1:  # llama-server's: the context size
+        last_n = ctx if ctx is not None else 1 << 31
     try:
         return SamplingParams(
-            temperature=temp, top_p=top_p, top_k=d.top_k if req.top_k is None else req.top_k,
+            temperature=temp, top_p=top_p, top_k=top_k,
             min_p=d.min_p if req.min_p is None else req.min_p,
             repeat_penalty=d.repeat_penalty if req.repeat_penalty is None else req.repeat_penalty,
-            repeat_last_n=d.repeat_last_n if req.repeat_last_n is None else req.repeat_last_n,
+            repeat_last_n=last_n,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=_logit_bias(req.logit_bias, vocab, tokenizer),
-            max_tokens=max_tokens, seed=d.seed if req.seed is None else req.seed,
+            max_tokens=max_tokens, seed=d.seed if req.seed is None else llama_seed(req.seed),
             stop=tuple(s for s in stop if s), ignore_eos=req.ignore_eos).validate()
     except GemmaspecError as exc:
         raise APIError(400, str(exc)) from None
@@ -499,22 +506,37 @@ def native_prompts(prompt, engine) -> list[list[int]]:
     return [completion_prompt(p, engine) for p in prompt]
 
 
-def spec_overrides(req, cfg) -> tuple[int | str, int]:
-    """llama-server's per-request ``speculative.n_max`` / ``speculative.n_min`` (n_max 0 turns drafting
-    off for the request); the server's settings otherwise."""
+def spec_overrides(req, cfg) -> tuple[int | str, int, float | None]:
+    """llama-server's per-request ``speculative.n_max`` / ``speculative.n_min`` / ``speculative.p_min``
+    as ``(n_max, n_min, p_min)``: n_max 0 (or below, as llama-server clamps it) turns drafting off for
+    the request, n_min is clamped to 0..n_max as llama-server does; p_min (0..1) is the
+    draft probability below which a model drafter (``draft-mtp``, ``draft-simple``) stops its round,
+    None when the request leaves it to the server (``--spec-draft-p-min``); the server's settings
+    otherwise. A drafter without a probability (``ngram-simple``) ignores p_min, as llama-server's does.
+
+    Raises:
+        APIError: 400 naming the field for a value of the wrong type or out of range.
+    """
     extra = req.model_extra or {}
     n_max, n_min = extra.get("speculative.n_max"), extra.get("speculative.n_min")
+    p_min = extra.get("speculative.p_min")
     out_max = cfg.n_max if n_max is None else n_max
     out_min = cfg.n_min if n_min is None else n_min
     if not isinstance(out_max, (int, str)) or isinstance(out_max, bool) or (isinstance(out_max, str) and out_max != "auto"):
         raise APIError(400, f"speculative.n_max must be a number or 'auto' (got {n_max!r})")
+    if isinstance(out_max, int) and out_max < 0:  # llama-server's max(n_max, 0): off
+        out_max = 0
     try:
         out_max = parse_n_max(out_max, "speculative.n_max")
     except GemmaspecError as exc:
         raise APIError(400, str(exc)) from None
-    if not (isinstance(out_min, int) and not isinstance(out_min, bool) and out_min >= 0):
-        raise APIError(400, f"speculative.n_min must be >= 0 (got {n_min!r})")
-    return out_max, out_min
+    if not (isinstance(out_min, int) and not isinstance(out_min, bool)):
+        raise APIError(400, f"speculative.n_min must be a number (got {n_min!r})")
+    out_min = max(out_min, 0) if out_max == "auto" else max(min(out_min, out_max), 0)  # llama-server's clamps
+    if p_min is not None and not (isinstance(p_min, (int, float)) and not isinstance(p_min, bool)
+                                  and 0.0 <= p_min <= 1.0):
+        raise APIError(400, f"speculative.p_min must be a number in [0, 1] (got {p_min!r})")
+    return out_max, out_min, None if p_min is None else float(p_min)
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:

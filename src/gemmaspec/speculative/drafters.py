@@ -144,6 +144,18 @@ class ChainDrafter:
         for d in self.drafters:
             d.reset()
 
+    @property
+    def p_min(self) -> float:
+        """The ``p_min`` of the drafters that have one (a model drafter; at most one in a chain), the
+        largest if several; 0 when none has one. Setting it sets theirs."""
+        return max((d.p_min for d in self.drafters if hasattr(d, "p_min")), default=0.0)
+
+    @p_min.setter
+    def p_min(self, value: float) -> None:
+        for d in self.drafters:
+            if hasattr(d, "p_min"):
+                d.p_min = value
+
     def propose(self, ctx: DraftContext, n_max: int) -> Draft:
         for d in self.drafters:
             got = d.propose(ctx, n_max)
