@@ -320,3 +320,14 @@ def test_draft_mtp_without_md_uses_the_shipped_assistant(model_path):
     assert "the assistant shipped for this model" in res.stderr
     assert res.stdout == run_cli(*common, "--spec-type", "none").stdout
 
+
+
+def test_the_memory_line_counts_the_shipped_assistant_without_m():
+    """``make run`` gives no ``-m`` (the default model) and ``--spec-type default``: the estimate counts
+    the assistant that then drafts (it said ``drafter 0.0 MiB``: the shipped-assistant lookup got no path)."""
+    import re
+
+    r = run_cli("generate", "-p", "Hello", "-n", "2", "--temp", "0", "--spec-type", "default")
+    assert r.returncode == 0, r.stderr
+    drafter = float(re.search(r"\+ drafter ([\d.]+) MiB", r.stderr).group(1))
+    assert 0 < drafter < 10, r.stderr

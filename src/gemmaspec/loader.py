@@ -208,6 +208,10 @@ def drafter_file(spec_type: str | None, draft_model: str | None, model: str | No
     spec_type = parse_spec_type(spec_type)
     if draft_model:
         return draft_model if spec_type is None or spec_model_type(spec_type) else None
+    if model is None:  # no -m: the default model, as load_engine loads it
+        from .loading.default_model import default_model_path
+
+        model = default_model_path()
     if spec_type in (None, "default"):
         entry = shipped_assistant_entry(model)
         return entry["path"] if entry and "draft-mtp" in spec_parts(entry.get("default_spec", "")) else None
