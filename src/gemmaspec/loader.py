@@ -126,8 +126,8 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
         default = (entry or {}).get("default_spec", "ngram-simple")
         if entry and "draft-mtp" in spec_parts(default):
             spec_type, draft_model = default, entry["path"]
-            pm = p_min if p_min is not None else float(entry.get("p_min", 0.0))
-            print(f"speculation: {default} with the assistant shipped for this model ({entry['file']}, p-min {pm:g}; "
+            print(f"speculation: {default} with the assistant shipped for this model ({entry['file']}, "
+                  f"p-min {_assistant_p_min(p_min, entry):g}; "
                   f"{entry.get('why', '')})", file=sys.stderr)
         else:
             if entry:
@@ -152,9 +152,8 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
         entry = shipped_assistant_entry(getattr(engine, "model_path", None))
         draft_model = entry["path"] if entry else None
         if draft_model:
-            pm = p_min if p_min is not None else float(entry.get("p_min", 0.0))
-            print(f"draft-mtp: the assistant shipped for this model ({Path(draft_model).name}, p-min {pm:g})",
-                  file=sys.stderr)
+            print(f"draft-mtp: the assistant shipped for this model ({Path(draft_model).name}, "
+                  f"p-min {_assistant_p_min(p_min, entry):g})", file=sys.stderr)
     if not draft_model:
         what = "the target's assistant: -md ASSISTANT (directory or .gguf)" if spec_type == "draft-mtp" \
             else "a draft model: -md DRAFT.gguf"
@@ -170,7 +169,7 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
         if p_min is None:  # an assistant gemmaspec ships: the p-min measured for it
             entry = shipped_assistant_entry(getattr(engine, "model_path", None))
             same = entry is not None and Path(entry["path"]).resolve() == Path(draft_model).resolve()
-            p_min = float(entry.get("p_min", 0.0)) if same else 0.0
+            p_min = _assistant_p_min(None, entry if same else None)
         make = lambda cache: MTPDrafter(assistant, engine.model, cache, p_min)  # noqa: E731
         make.p_min = p_min
         return "draft-mtp", make
@@ -179,6 +178,14 @@ def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | No
     make = lambda cache: DraftModelDrafter(draft.model, engine.ctx_size, p_min)  # noqa: E731
     make.p_min = p_min
     return "draft-simple", make
+
+
+def _assistant_p_min(p_min: float | None, entry: dict | None) -> float:
+    """The assistant's p-min: ``--spec-draft-p-min`` when given, else the value measured for the
+    shipped assistant of ``entry`` (``assistants.json``), else 0."""
+    if p_min is not None:
+        return p_min
+    return float(entry.get("p_min", 0.0)) if entry else 0.0
 
 
 def resolve_models(args) -> None:

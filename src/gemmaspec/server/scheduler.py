@@ -471,7 +471,8 @@ class Scheduler:
             self.metrics.record(job)
         log.info("%s: slot %d | prompt %d tokens, prefill %.1f tokens/s | generated %d tokens, %s | "
                  "TTFT %.0f ms | finish %s | %s", job.name, s.index, st.prompt_tokens, st.prefill_tps,
-                 st.generated_tokens, st.decode_text, job.ttft_ms, st.stop_reason, " | ".join([st.spec.llama_line()] + st.spec.drafter_lines()))
+                 st.generated_tokens, st.decode_text, job.ttft_ms, st.stop_reason,
+                 " | ".join([st.spec.llama_line()] + st.spec.drafter_lines()))
         if not job.cancelled:
             job.emit(("done", job))
 
