@@ -83,7 +83,7 @@ def main() -> None:
     from gemmaspec.kernels import BlockWeight
     from gemmaspec.kernels.cuda import DeviceQuantWeight, fmt_bytes, use_kernel
     from gemmaspec.loader import load_engine
-    from gemmaspec.loading.default_model import default_model_path
+    from gemmaspec.manage.default_model import default_model_path
     from gemmaspec.models.config import Gemma4AssistantConfig, Gemma4Config
     from gemmaspec.models.footprint import device_memory
 

@@ -44,7 +44,7 @@ from common import PROMPTS, busy_process, llama_python, machine, median, read_ba
 
 import gemmaspec
 from gemmaspec.loader import physical_cores
-from gemmaspec.loading.default_model import default_model_path
+from gemmaspec.manage.default_model import default_model_path
 
 
 def bytes_per_step(model) -> dict:

@@ -1,5 +1,5 @@
 """Does ``gemmaspec fit`` agree with real memory? For each setup, a fresh process estimates the memory
-from metadata (:mod:`gemmaspec.loading.fit`), loads the model (and drafter), fills the context
+from metadata (:mod:`gemmaspec.manage.fit`), loads the model (and drafter), fills the context
 (a prompt of ctx - 48 tokens, then greedy tokens up to the context; EOS ignored) and reports its peak
 resident memory (VmHWM) and its resident memory at the end (RSS after malloc_trim).
 
@@ -29,7 +29,7 @@ def child(target: str, draft: str | None, ctx: int) -> dict:
 
     from gemmaspec.engine import RequestStats
     from gemmaspec.loader import load_drafter, load_engine
-    from gemmaspec.loading.fit import estimate, read_model
+    from gemmaspec.manage.fit import estimate, read_model
     from gemmaspec.sampling import SamplingParams
 
     t = None if target == "-" else target

@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from gemmaspec.loading.default_model import default_model_path  # noqa: E402
+from gemmaspec.manage.default_model import default_model_path  # noqa: E402
 from gemmaspec.loading.gguf_header import read_header  # noqa: E402
 from gemmaspec.loading.tokenizer_cache import gguf_tokenizer  # noqa: E402
 

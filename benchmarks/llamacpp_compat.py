@@ -27,7 +27,7 @@ import torch
 from common import llama_python, machine, tests_helper, write_results
 
 from gemmaspec.loader import load_engine
-from gemmaspec.loading.default_model import default_model_path
+from gemmaspec.manage.default_model import default_model_path
 from gemmaspec.loading.convert import convert
 from gemmaspec.loading.gguf import load_gguf
 from gemmaspec.sampling import SamplingParams

@@ -66,7 +66,7 @@ def build() -> dict:
     import torch
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
 
-    from gemmaspec.loading.default_model import default_model_path
+    from gemmaspec.manage.default_model import default_model_path
     from gemmaspec.loading.convert import convert
     from gemmaspec.quant.quantize import quantize_exact
     from gemmaspec.tokenizer import GemmaTokenizer

@@ -32,7 +32,7 @@ from common import ROOT, llama_python, median
 from gemmaspec.cli import main as gemmaspec_main
 from gemmaspec.engine import RequestStats
 from gemmaspec.loader import load_drafter, load_engine, shipped_assistant
-from gemmaspec.loading.default_model import default_model_path
+from gemmaspec.manage.default_model import default_model_path
 from gemmaspec.sampling import SamplingParams
 
 OUT = ROOT / "benchmarks" / "results" / "speculative"

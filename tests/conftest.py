@@ -12,7 +12,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def model_path():
-    from gemmaspec.loading.default_model import default_model_path
+    from gemmaspec.manage.default_model import default_model_path
 
     return default_model_path()
 

@@ -459,8 +459,8 @@ def test_the_report_records_the_assistant_a_list_drafts_with():
     draft with the shipped assistant: the report's ``drafts`` names it and its sha256, as for
     ``draft-mtp`` alone (it recorded nothing, so a run did not say which assistant it measured)."""
     from gemmaspec.bench.targets import InProcessTarget
-    from gemmaspec.loading.default_model import default_model_path
-    from gemmaspec.loading.shipped import shipped_assistant
+    from gemmaspec.manage.default_model import default_model_path
+    from gemmaspec.manage.shipped import shipped_assistant
 
     t = InProcessTarget(None, [], ["default", "ngram-simple,draft-mtp"], 1, 256)
     try:

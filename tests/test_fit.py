@@ -10,7 +10,7 @@ import pytest
 from tiny_gemma4 import TARGET
 
 from gemmaspec import cli
-from gemmaspec.loading import fit
+from gemmaspec.manage import fit
 from gemmaspec.models.config import Gemma4Config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from fake_hub import FakeHub
 
 from gemmaspec import cli
 from gemmaspec.errors import InputError, ModelFileError
-from gemmaspec.loading import catalog, hub
+from gemmaspec.manage import catalog, hub
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 
 from gemmaspec.engine import RequestStats
 from gemmaspec.loader import drafter_factory, load_engine, shipped_assistant_entry
-from gemmaspec.loading.default_model import default_model_path
+from gemmaspec.manage.default_model import default_model_path
 from gemmaspec.sampling import SamplingParams
 
 from test_speculative import PROMPTS, _prompt_ids

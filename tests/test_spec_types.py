@@ -99,8 +99,8 @@ def test_the_default_server_says_which_assistant_and_p_min_it_drafts_with(server
     p-min, and the startup log line says the p-min beside n_max."""
     import httpx
 
-    from gemmaspec.loading.default_model import default_model_path
-    from gemmaspec.loading.shipped import shipped_assistant
+    from gemmaspec.manage.default_model import default_model_path
+    from gemmaspec.manage.shipped import shipped_assistant
 
     sp = httpx.get(server.url + "/props", timeout=30).json()["speculative"]
     assert sp["type"] == "ngram-simple,draft-mtp" and sp["p_min"] == 0.3

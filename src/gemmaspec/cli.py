@@ -418,7 +418,7 @@ def _cmd_quantize(args) -> int:
 
 
 def _cmd_pull(args) -> int:
-    from .loading.hub import pull
+    from .manage.hub import pull
 
     for p in pull(args.spec, revision=args.revision, sha256=args.sha256, with_assistant=args.with_assistant):
         print(f"{p.label}: {p.path}" + (f" (sha256 {p.sha256})" if p.sha256 else ""))
@@ -426,8 +426,8 @@ def _cmd_pull(args) -> int:
 
 
 def _cmd_models(args) -> int:
-    from .loading import catalog
-    from .loading.hub import cached_path
+    from .manage import catalog
+    from .manage.hub import cached_path
 
     print(f"{'name':<44} {'role':<9} {'qat':<3} {'n_max':>5}  {'cached':<6} repo / pair")
     for e in catalog.entries():
@@ -443,13 +443,13 @@ def _cmd_models(args) -> int:
         print(f"{e.name:<44} {e.role:<9} {'yes' if e.qat else 'no':<3} {n:>5}  {'yes' if where else 'no':<6} "
               f"{repo}" + (f"  (pair: {partner})" if partner else ""))
     print("\nn_max: the draft length used when --spec-draft-n-max is not given; sources in "
-          "src/gemmaspec/loading/catalog.json")
+          "src/gemmaspec/manage/catalog.json")
     return 0
 
 
 def _cmd_fit(args) -> int:
     from .loader import resolve_models
-    from .loading.fit import device_and_free, estimate, read_model
+    from .manage.fit import device_and_free, estimate, read_model
 
     resolve_models(args)
     device, free = device_and_free(args.device)

@@ -50,7 +50,7 @@ def add_export_parser(sub) -> None:
 def _name_for_vllm(arg: str | None, path: str | None, entry) -> str:
     """What vLLM / SGLang should load: a catalog entry's Hugging Face repo (a GGUF entry's source
     checkpoint), else the local path."""
-    from .loading import catalog
+    from .manage import catalog
 
     if entry is not None:
         if entry.hf_equivalent:
@@ -83,7 +83,7 @@ def tensor_parallel(total_bytes: int, gpu_bytes: int, heads: int) -> int:
 
 def _gpu_estimate(target_path, draft_path, ctx, slots) -> tuple[int, int, int]:
     """(bytes the exported server needs in bf16, attention heads, context used)."""
-    from .loading.fit import buffer_bytes, kv_bytes_per_slot, read_model
+    from .manage.fit import buffer_bytes, kv_bytes_per_slot, read_model
 
     t = read_model(target_path)
     d = read_model(draft_path) if draft_path else None
@@ -101,14 +101,14 @@ def _numels(m):
 
 def build_command(args) -> list[str]:
     """The exported server's argv for ``args`` (models already resolved to paths)."""
-    from .loading.fit import parse_mem
+    from .manage.fit import parse_mem
     from .speculative.options import parse_n_max
 
     spec = args.spec_type
     if spec is None:
         spec = "none"
         if args.model_draft:
-            from .loading.fit import read_model
+            from .manage.fit import read_model
 
             spec = "draft-mtp" if read_model(args.model_draft).role == "assistant" else "draft-simple"
     n = parse_n_max(args.spec_draft_n_max)
@@ -122,7 +122,7 @@ def build_command(args) -> list[str]:
     if spec_model_type(spec) and not args.model_draft:
         raise InputError(f"--spec-type {spec} needs -md")
     if spec_model_type(spec) and args.model_draft:  # the role the type needs, as gemmaspec's loader checks
-        from .loading.fit import read_model
+        from .manage.fit import read_model
 
         want = "assistant" if spec_model_type(spec) == "draft-mtp" else "target"
         role = read_model(args.model_draft).role
@@ -137,7 +137,7 @@ def build_command(args) -> list[str]:
     if args.parallel < 1:
         raise InputError(f"-np must be at least 1 (got {args.parallel})")
     if args.server == "llama-server":
-        from .loading.default_model import default_model_path
+        from .manage.default_model import default_model_path
 
         model = args.model or str(default_model_path())
         for flag, p in (("-m", model), ("-md", args.model_draft)):
@@ -184,7 +184,7 @@ def build_command(args) -> list[str]:
 def cmd_export(args) -> int:
     """``gemmaspec export``: print the command (shell-quoted) on stdout."""
     from .loader import resolve_models
-    from .loading.hub import resolve
+    from .manage.hub import resolve
 
     model_arg, draft_arg = args.model, args.model_draft
     resolve_models(args)

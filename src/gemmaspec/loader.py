@@ -96,7 +96,7 @@ def load_drafter(spec_type: str | None, engine: Engine, draft_model: str | None 
     return drafter_factory(spec_type, engine, draft_model, p_min, ngram_max, ngram_min)[1](engine.cache)
 
 
-from .loading.shipped import shipped_assistant, shipped_assistant_entry  # noqa: E402,F401
+from .manage.shipped import shipped_assistant, shipped_assistant_entry  # noqa: E402,F401
 
 
 def drafter_factory(spec_type: str | None, engine: Engine, draft_model: str | None = None, p_min: float | None = None,
@@ -195,8 +195,8 @@ def resolve_models(args) -> None:
     Raises:
         InputError: an unknown name (close matches listed) or one not downloaded yet.
     """
-    from .loading import catalog
-    from .loading.hub import resolve
+    from .manage import catalog
+    from .manage.hub import resolve
 
     args.model, target = resolve(args.model)
     draft = None
@@ -216,7 +216,7 @@ def drafter_file(spec_type: str | None, draft_model: str | None, model: str | No
     if draft_model:
         return draft_model if spec_type is None or spec_model_type(spec_type) else None
     if model is None:  # no -m: the default model, as load_engine loads it
-        from .loading.default_model import default_model_path
+        from .manage.default_model import default_model_path
 
         model = default_model_path()
     if spec_type in (None, "default"):
@@ -233,7 +233,7 @@ def memory_estimate(args, slots: int = 1, caches: int | None = None):
         InputError: the setup does not fit (with the numbers), or a bad ``-c``.
         ModelFileError: an unreadable model file (as loading would say).
     """
-    from .loading.fit import check_fits, estimate, free_memory, read_model
+    from .manage.fit import check_fits, estimate, free_memory, read_model
 
     device = args.device
     if device == "auto":

@@ -37,7 +37,7 @@ class BenchTargetError(GemmaspecError):
 
 def file_sha256(path) -> str | None:
     """sha256 (hex) of a file; for the default model, read from its check stamp when it is current
-    (``<model>.verified.json``, written by :mod:`gemmaspec.loading.default_model`). None for a
+    (``<model>.verified.json``, written by :mod:`gemmaspec.manage.default_model`). None for a
     directory or a missing path."""
     p = Path(path)
     if not p.is_file():
@@ -88,7 +88,7 @@ class InProcessTarget:
     def __init__(self, model, drafts, spec_types: list[str], n_slots: int, ctx_size: int, threads=None,
                  device="cpu", p_min: float | None = None):
         from ..loader import drafter_factory, load_engine
-        from ..loading.default_model import default_model_path
+        from ..manage.default_model import default_model_path
         from ..speculative.options import spec_model_type
 
         self.model_path = Path(model) if model else default_model_path()
@@ -107,7 +107,7 @@ class InProcessTarget:
         for st in spec_types or list(by_type):
             if st in ("draft-simple", "draft-mtp"):
                 if st == "draft-mtp" and st not in by_type:  # the assistant gemmaspec ships for this target
-                    from ..loading.shipped import shipped_assistant
+                    from ..manage.shipped import shipped_assistant
 
                     shipped = shipped_assistant(self.model_path)
                     if shipped:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError, ModelFileError
-from .default_model import default_model_path
+from ..manage.default_model import default_model_path
 from .gguf import LoadedModel, load_gguf
 from .safetensors import load_hf_dir
 

@@ -148,7 +148,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
 
     def load():
         from ..loader import drafter_factory, drafter_file, load_engine
-        from ..loading.default_model import default_model_path
+        from ..manage.default_model import default_model_path
 
         t0 = time.perf_counter()
         path = Path(cfg.model) if cfg.model else default_model_path()

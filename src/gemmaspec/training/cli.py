@@ -92,7 +92,7 @@ def run_train(args) -> int:
 
     from ..loader import set_threads
     from ..loading import load_checkpoint
-    from ..loading.default_model import default_model_path
+    from ..manage.default_model import default_model_path
     from ..paths import cache_home
     from .corpus import SELF_PROMPTS, build_corpus, held_out_texts, self_generated
     from ..loading.assistant_gguf import export_gguf

@@ -81,12 +81,12 @@ def read_model(path: str | os.PathLike | None) -> ModelInfo:
 
     p = Path(path) if path else default_model_path()
     if p.is_dir():
-        from .safetensors import hf_checkpoint
+        from ..loading.safetensors import hf_checkpoint
 
         arch, config, _, tensors = hf_checkpoint(p)
         rows = tuple((n, t.dtype, tuple(t.shape), t.nbytes) for n, t in tensors.items())
         return ModelInfo(p, arch.role, arch.name, config, rows, False)
-    from .gguf import open_reader, read_config
+    from ..loading.gguf import open_reader, read_config
 
     header = open_reader(p)
     arch, config = read_config(p, header)

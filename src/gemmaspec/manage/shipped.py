@@ -33,7 +33,7 @@ def shipped_assistant_entry(target_path) -> dict | None:
     for e in entries:
         if e.get("target_size") != size:
             continue
-        stamp = p.with_suffix(".verified.json")  # written by loading.default_model after its check
+        stamp = p.with_suffix(".verified.json")  # written by manage.default_model after its check
         sha = None
         try:
             rec = json.loads(stamp.read_text())
