@@ -82,7 +82,7 @@ def main() -> None:
                  "CUDA path and has nothing to do here. Install the CUDA build with `make TORCH=cuda`.")
     from gemmaspec.kernels import BlockWeight
     from gemmaspec.kernels.cuda import DeviceQuantWeight, fmt_bytes, use_kernel
-    from gemmaspec.loader import load_engine
+    from gemmaspec.loading.engine import load_engine
     from gemmaspec.manage.default_model import default_model_path
     from gemmaspec.models.config import Gemma4AssistantConfig, Gemma4Config
     from gemmaspec.models.footprint import device_memory

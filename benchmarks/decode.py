@@ -43,7 +43,7 @@ import sys
 from common import PROMPTS, busy_process, llama_python, machine, median, read_bandwidth, run_cold, write_results
 
 import gemmaspec
-from gemmaspec.loader import physical_cores
+from gemmaspec.loading.engine import physical_cores
 from gemmaspec.manage.default_model import default_model_path
 
 
@@ -92,7 +92,7 @@ def rss():
 
 from common import resident_bytes  # the child runs in benchmarks/ (python -c puts it first on sys.path)
 
-from gemmaspec.loader import load_engine  # the bare runtime: every module imported, the kernel loaded,
+from gemmaspec.loading.engine import load_engine  # the bare runtime: every module imported, the kernel loaded,
 from gemmaspec.sampling import SamplingParams  # small tensor ops run (their code pages), no model
 load_library()
 x = torch.randn(24, 64)  # the ops a generation runs, on small tensors: their code pages belong to the runtime

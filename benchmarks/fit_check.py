@@ -28,14 +28,16 @@ def child(target: str, draft: str | None, ctx: int) -> dict:
     import ctypes
 
     from gemmaspec.engine import RequestStats
-    from gemmaspec.loader import load_drafter, load_engine
+    from gemmaspec.loading.engine import load_engine
+    from gemmaspec.speculative.config import SpecConfig
+    from gemmaspec.speculative.plan import load_drafter
     from gemmaspec.manage.fit import estimate, read_model
     from gemmaspec.sampling import SamplingParams
 
     t = None if target == "-" else target
     est = estimate(read_model(t), read_model(draft) if draft else None, ctx, 1, "cpu")
     engine = load_engine(t, ctx_size=ctx, device="cpu", threads=2)
-    drafter = load_drafter("draft-mtp" if draft else "none", engine, draft)
+    drafter = load_drafter(SpecConfig("draft-mtp" if draft else "none", draft), engine)
     n_prompt = ctx - 48
     ids = [engine.tokenizer.bos_id] + [(i * 7919) % 200_000 + 1000 for i in range(n_prompt - 1)]
     params = SamplingParams(temperature=0, max_tokens=ctx - n_prompt - 4, ignore_eos=True)

@@ -26,7 +26,7 @@ import torch
 
 from common import llama_python, machine, tests_helper, write_results
 
-from gemmaspec.loader import load_engine
+from gemmaspec.loading.engine import load_engine
 from gemmaspec.manage.default_model import default_model_path
 from gemmaspec.loading.convert import convert
 from gemmaspec.loading.gguf import load_gguf
@@ -131,7 +131,8 @@ def draft_mtp_check(tmp: Path, tok, server: str, n: int) -> dict:
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
 
     from gemmaspec.engine import RequestStats
-    from gemmaspec.loader import load_drafter
+    from gemmaspec.speculative.config import SpecConfig
+    from gemmaspec.speculative.plan import load_drafter
 
     hf = build(tmp / "mtp-target", tok, dict(hidden_size_per_layer_input=8, num_kv_shared_layers=2), 7)
     v = tok.vocab_size
@@ -172,7 +173,7 @@ def draft_mtp_check(tmp: Path, tok, server: str, n: int) -> dict:
     ids = e.tokenizer.encode(PROMPT, add_bos=True)
     st = RequestStats()
     mine = [t for ev in e.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                                   load_drafter("draft-mtp", e, str(a_gguf)), 2, st) for t in ev.tokens]
+                                   load_drafter(SpecConfig("draft-mtp", str(a_gguf)), e), 2, st) for t in ev.tokens]
     return {"check": "draft-mtp", "same_tokens": got.get("tokens") == mine,
             "llama.cpp": {"tokens": got.get("tokens"), "draft_n": got["timings"].get("draft_n"),
                           "draft_n_accepted": got["timings"].get("draft_n_accepted")},

@@ -96,7 +96,9 @@ def child(target: str, assistant: str | None, ctx: int) -> dict:
     import ctypes
 
     from gemmaspec.engine import RequestStats
-    from gemmaspec.loader import load_drafter, load_engine
+    from gemmaspec.loading.engine import load_engine
+    from gemmaspec.speculative.config import SpecConfig
+    from gemmaspec.speculative.plan import load_drafter
     from gemmaspec.sampling import SamplingParams
 
     libc = ctypes.CDLL("libc.so.6")
@@ -124,7 +126,7 @@ def child(target: str, assistant: str | None, ctx: int) -> dict:
     engine = load_engine(target, ctx_size=ctx + 64, device="cpu", threads=2)
     settle()
     target_mib = rss()
-    drafter = load_drafter("draft-mtp", engine, assistant) if assistant else None
+    drafter = load_drafter(SpecConfig("draft-mtp", assistant), engine) if assistant else None
     loaded = rss()
     held = sum(int(w.nbytes) for w in drafter.assistant.weights.values()) / 2**20 if drafter else 0.0
     with open("/proc/self/clear_refs", "w") as f:

@@ -31,7 +31,10 @@ from common import ROOT, llama_python, median
 
 from gemmaspec.cli import main as gemmaspec_main
 from gemmaspec.engine import RequestStats
-from gemmaspec.loader import load_drafter, load_engine, shipped_assistant
+from gemmaspec.loading.engine import load_engine
+from gemmaspec.manage.shipped import shipped_assistant
+from gemmaspec.speculative.config import SpecConfig
+from gemmaspec.speculative.plan import load_drafter
 from gemmaspec.manage.default_model import default_model_path
 from gemmaspec.sampling import SamplingParams
 
@@ -105,7 +108,7 @@ def main():
         rc = gemmaspec_main(argv)
     if rc == 0 and mtp:
         engine = load_engine(model, ctx_size=2048, device="cpu", threads=a.threads)
-        step = mtp_step_cost(engine, load_drafter("draft-mtp", engine, mtp),
+        step = mtp_step_cost(engine, load_drafter(SpecConfig("draft-mtp", mtp), engine),
                              SamplingParams(temperature=0, max_tokens=a.n, ignore_eos=True))
         (OUT / "mtp_step.json").write_text(json.dumps(step, indent=2))
         line = (f"MTP assistant {os.path.basename(mtp)}: one draft step {step['step_ms']:.2f} ms "

@@ -19,7 +19,7 @@ def model_path():
 
 @pytest.fixture(scope="session")
 def engine(model_path):
-    from gemmaspec.loader import load_engine
+    from gemmaspec.loading.engine import load_engine
 
     return load_engine(model_path, ctx_size=2048, device="cpu")
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gemmaspec import kernels
-from gemmaspec.loader import load_drafter
+from gemmaspec.speculative.config import SpecConfig
+from gemmaspec.speculative.plan import load_drafter
 from gemmaspec.models import assistant_step
 from gemmaspec.sampling import SamplingParams
 
@@ -15,7 +16,7 @@ from gemmaspec.sampling import SamplingParams
 def mtp(engine):
     if kernels.load_library() is None:
         pytest.skip("no C kernel on this machine")
-    return load_drafter("draft-mtp", engine, None, 0.0)  # p-min 0: every draft through draft_step
+    return load_drafter(SpecConfig("draft-mtp", p_min=0.0), engine)  # p-min 0: every draft through draft_step
 
 
 @pytest.mark.parametrize("act", ["none", "q8_0"])

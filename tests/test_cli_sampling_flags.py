@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gemmaspec.cli import _sampling_params, build_parser
+from gemmaspec.cli import build_parser
+from gemmaspec.cli.args import sampling_params as _sampling_params
 from gemmaspec.errors import InputError
 
 
@@ -23,7 +24,8 @@ def test_negative_top_k_is_off_and_repeat_last_n_minus_one_is_the_whole_context(
 
 def test_serve_takes_a_negative_top_k(monkeypatch):
     """``serve --top-k -1`` was refused ("top-k must be >= 0"); llama-server runs with top-k off."""
-    from gemmaspec.server import api, main
+    from gemmaspec.cli import serve as main
+    from gemmaspec.server import api
 
     seen = {}
 

@@ -9,7 +9,7 @@ import torch
 from tiny_gemma4 import TARGET, randomize, tiny_assistant
 
 from gemmaspec import cli
-from gemmaspec.export import _gpu_estimate, tensor_parallel
+from gemmaspec.cli.export import _gpu_estimate, tensor_parallel
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ def test_fit_reports_a_setup_too_big_for_the_device(capsys):
 def test_generate_refuses_with_the_numbers_before_loading(monkeypatch, capsys):
     monkeypatch.setattr(fit, "free_memory", lambda device: 700 << 20)
     loaded = []
-    import gemmaspec.loader as loader
+    import gemmaspec.loading.engine as loader
 
     monkeypatch.setattr(loader, "load_engine", lambda *a, **k: loaded.append(1))
     assert cli.main(["generate", "-p", "hi", "-n", "1", "--device", "cpu"]) == 1

@@ -87,7 +87,7 @@ def test_context_overflow_is_an_error(engine):
 
 _LAZY_KV = """
 import sys
-from gemmaspec.loader import load_engine
+from gemmaspec.loading.engine import load_engine
 
 def rss():
     with open("/proc/self/status") as f:

@@ -143,7 +143,7 @@ def test_roles_are_checked(pair, tmp_path):
 
 def test_qat_mismatch_warning(pair):
     from gemmaspec.quant.qat import looks_qat
-    from gemmaspec.loader import qat_mismatch_warning
+    from gemmaspec.speculative.plan import qat_mismatch_warning
 
     _, _, _, ours_t, ours_a, _ = pair
     assert not looks_qat(ours_t.weights["blk.0.attn_q.weight"])

@@ -527,9 +527,10 @@ def test_seeded_sampling_is_the_same_with_the_assistant_and_a_draft_model(engine
     """The other drafters propose deterministically too (the shipped MTP assistant; a greedy draft
     model, here the target's own file): with penalties, filters and a logit bias, every draft length
     gives plain sampling's tokens."""
-    from gemmaspec.loader import load_drafter
+    from gemmaspec.speculative.config import SpecConfig
+    from gemmaspec.speculative.plan import load_drafter
 
-    drafter = load_drafter(spec, engine, str(model_path) if spec == "draft-simple" else None)
+    drafter = load_drafter(SpecConfig(spec, str(model_path) if spec == "draft-simple" else None), engine)
     ids = engine.tokenizer.encode(REPEAT)
     params = SamplingParams(temperature=1.1, seed=4, max_tokens=32, ignore_eos=True, top_k=0, top_p=0.9, min_p=0.01,
                             repeat_penalty=1.1, frequency_penalty=0.4, presence_penalty=0.2, logit_bias=((236764, 1.5),))

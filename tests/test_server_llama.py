@@ -315,7 +315,7 @@ def test_bad_chat_template_flags_are_one_line_errors(args, needle):
 def test_named_chat_templates(tokenizer, name, want):
     from types import SimpleNamespace
 
-    from gemmaspec.server.main import chat_template_of
+    from gemmaspec.cli.serve import chat_template_of
 
     tok = type(tokenizer).__new__(type(tokenizer))
     tok.__dict__.update(tokenizer.__dict__)

@@ -5,11 +5,20 @@ and greedy output with it equals plain greedy output on the speculative tests' s
 import pytest
 
 from gemmaspec.engine import RequestStats
-from gemmaspec.loader import drafter_factory, load_engine, shipped_assistant_entry
+from gemmaspec.loading.engine import load_engine
 from gemmaspec.manage.default_model import default_model_path
+from gemmaspec.manage.shipped import shipped_assistant_entry
 from gemmaspec.sampling import SamplingParams
+from gemmaspec.speculative.config import SpecConfig
+from gemmaspec.speculative.plan import build, plan
 
 from test_speculative import PROMPTS, _prompt_ids
+
+
+def drafter_factory(spec_type, engine, draft_model, p_min=None):
+    """``(type that drafts, factory)`` for a type and -md, as every front end gets it."""
+    pl = plan(SpecConfig(spec_type, draft_model, p_min=p_min), engine.model_path)
+    return pl.spec_type, build(pl, engine)
 
 
 @pytest.fixture(scope="module")

@@ -111,10 +111,10 @@ def test_the_default_server_says_which_assistant_and_p_min_it_drafts_with(server
 def test_the_memory_estimate_counts_the_assistant_serve_drafts_with_by_default(model_path):
     """``gemmaspec serve`` with no ``--spec-type`` and no ``-md`` drafts with the shipped assistant: the
     estimate counts its weights, as for ``--spec-type default`` (it counted none)."""
-    from argparse import Namespace
+    from gemmaspec.manage.fit import check_memory
+    from gemmaspec.speculative.config import SpecConfig
+    from gemmaspec.speculative.plan import plan
 
-    from gemmaspec.loader import memory_estimate
-
-    est = {st: memory_estimate(Namespace(device="cpu", model=str(model_path), model_draft=None, spec_type=st,
-                                         ctx_size=512)).draft for st in (None, "default", "none")}
+    est = {st: check_memory(str(model_path), plan(SpecConfig(st), model_path).draft_file, 512, "cpu").draft
+           for st in (None, "default", "none")}
     assert est[None] == est["default"] > 0 and est["none"] == 0

@@ -8,7 +8,7 @@ import pytest
 
 import gemmaspec
 from gemmaspec.errors import InputError
-from gemmaspec.loader import physical_cores, set_threads
+from gemmaspec.loading.engine import physical_cores, set_threads
 
 
 def test_wait_policy_is_passive_unless_the_user_chose(monkeypatch):

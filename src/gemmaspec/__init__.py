@@ -1,9 +1,9 @@
 """gemmaspec: Gemma models on a small CPU or GPU, with speculative decoding.
 
-Public entry points: :func:`gemmaspec.loader.load_engine` (a target ready to generate),
-:func:`gemmaspec.loader.drafter_factory` (the drafter ``--spec-type`` asks for),
-:func:`gemmaspec.loading.load_checkpoint` (any supported checkpoint as a built model) and the
-``gemmaspec`` command (:mod:`gemmaspec.cli`).
+Public entry points: :func:`gemmaspec.loading.engine.load_engine` (a target ready to generate),
+:func:`gemmaspec.speculative.plan.plan` and :func:`~gemmaspec.speculative.plan.build` (the drafter a
+:class:`~gemmaspec.speculative.config.SpecConfig` asks for), :func:`gemmaspec.loading.load_checkpoint`
+(any supported checkpoint as a built model) and the ``gemmaspec`` command (:mod:`gemmaspec.cli`).
 """
 
 import os as _os
@@ -11,10 +11,10 @@ import os as _os
 __version__ = "0.1.0"
 
 WAIT_POLICY = "passive"
+"""The ``OMP_WAIT_POLICY`` gemmaspec sets when the user has chosen none (see :func:`_wait_policy`)."""
 SET_ENV: dict[str, str] = {}
 """Environment variables gemmaspec set at import (not the user), so that tools which start other
 programs (benchmarks running llama.cpp) can hand those programs the user's own environment."""
-"""The ``OMP_WAIT_POLICY`` gemmaspec sets when the user has chosen none (see :func:`_wait_policy`)."""
 
 
 def _wait_policy() -> None:

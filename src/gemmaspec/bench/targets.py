@@ -23,6 +23,7 @@ import os
 import queue
 import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -77,7 +78,7 @@ class InProcessTarget:
         ctx_size: context per slot, tokens.
         threads, device: as for ``gemmaspec generate``.
         p_min: ``--spec-draft-p-min`` of the model drafters (None: each drafter's own, see
-            :func:`gemmaspec.loader.drafter_factory`); ``describe()["p_min"]`` gives the value per type.
+            :func:`gemmaspec.speculative.plan.plan`); ``describe()["p_min"]`` gives the value per type.
 
     Raises:
         GemmaspecError: the model or a drafter cannot be loaded; a draft type without its ``-md``.
@@ -87,7 +88,7 @@ class InProcessTarget:
 
     def __init__(self, model, drafts, spec_types: list[str], n_slots: int, ctx_size: int, threads=None,
                  device="cpu", p_min: float | None = None):
-        from ..loader import drafter_factory, load_engine
+        from ..loading.engine import load_engine
         from ..manage.default_model import default_model_path
         from ..speculative.options import spec_model_type
 
@@ -96,10 +97,10 @@ class InProcessTarget:
         self.engine = load_engine(self.model_path, ctx_size=ctx_size, device=device, threads=threads)
         by_type = {}
         for d in self.draft_paths:
-            real, make = drafter_factory(None, self.engine, str(d), p_min)
-            if real in by_type:
-                raise InputError(f"two -md files for {real}: give one draft model and/or one assistant")
-            by_type[real] = (make, d)
+            pl, make = self._factory(None, str(d), p_min)
+            if pl.spec_type in by_type:
+                raise InputError(f"two -md files for {pl.spec_type}: give one draft model and/or one assistant")
+            by_type[pl.spec_type] = (make, d)
         self.schedulers = {}
         self.spec_types = []
         self.drafts = {}
@@ -107,32 +108,39 @@ class InProcessTarget:
         for st in spec_types or list(by_type):
             if st in ("draft-simple", "draft-mtp"):
                 if st == "draft-mtp" and st not in by_type:  # the assistant gemmaspec ships for this target
-                    from ..manage.shipped import shipped_assistant
-
-                    shipped = shipped_assistant(self.model_path)
-                    if shipped:
-                        by_type[st] = (drafter_factory(st, self.engine, shipped, p_min)[1], Path(shipped))
-                        self.draft_paths.append(Path(shipped))
+                    try:
+                        pl, make = self._factory(st, None, p_min)
+                    except InputError:
+                        pass  # none shipped: said below
+                    else:
+                        by_type[st] = (make, Path(pl.draft_file))
+                        self.draft_paths.append(Path(pl.draft_file))
                 if st not in by_type:
                     what = "an MTP assistant" if st == "draft-mtp" else "a draft model"
                     have = f" (-md gave {', '.join(by_type)})" if by_type else ""
                     raise InputError(f"--spec-type {st} needs {what} as -md{have}")
                 (make, d), real = by_type[st], st
                 self.drafts[real] = str(d)
-            else:  # a draftless type, or a list ("ngram-simple,draft-mtp") with the -md of its model type
-                from ..loader import drafter_file
-
+            else:  # a draftless type, "default", or a list ("ngram-simple,draft-mtp") with its model type's -md
                 mt = spec_model_type(st)
                 md = str(by_type[mt][1]) if mt in by_type else None
-                real, make = drafter_factory(st, self.engine, md, p_min)
-                used = drafter_file(real, md, self.model_path)  # a list's model file, -md or shipped
-                if used:
-                    self.drafts.setdefault(spec_model_type(real), str(used))
+                pl, make = self._factory(st, md, p_min)
+                real = pl.spec_type
+                if pl.draft_file:  # a list's model file, -md or shipped
+                    self.drafts.setdefault(pl.model_type, pl.draft_file)
             if real not in self.schedulers:
                 if spec_model_type(real):  # the p-min its model drafter runs with (--spec-draft-p-min or its own)
-                    self.p_min[real] = getattr(make, "p_min", None)
+                    self.p_min[real] = make.p_min
                 self.spec_types.append(real)
                 self.schedulers[real] = self._start(make, n_slots)
+
+    def _factory(self, spec_type, draft, p_min):
+        """``(plan, factory)`` of :mod:`gemmaspec.speculative.plan` for one type of this target."""
+        from ..speculative.config import SpecConfig
+        from ..speculative.plan import build, plan
+
+        pl = plan(SpecConfig(spec_type, draft, p_min=p_min), self.model_path)
+        return pl, build(pl, self.engine, warn=lambda line: print(line, file=sys.stderr))
 
     def _start(self, make, n_slots):
         from ..server.scheduler import Scheduler

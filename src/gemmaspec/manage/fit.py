@@ -35,7 +35,7 @@ from ..models.footprint import kv_layers, layer_ffn
 
 CPU_RUNTIME_BYTES = 244 << 20
 """Resident memory of a gemmaspec process before it loads a model: Python, PyTorch 2.13 CPU, gemmaspec
-and its compiled kernel (measured 222 MiB after ``import gemmaspec.loader`` and ``load_library()``,
+and its compiled kernel (measured 222 MiB after ``import gemmaspec.loading.engine`` and ``load_library()``,
 RSS after ``malloc_trim``, Linux x86-64, Python 3.11, in a long-lived venv; a fresh ``make`` venv
 with newer libraries held ~42 MiB more at peak: the constant is the midpoint, so both stay within a
 few percent)."""
@@ -313,3 +313,36 @@ def device_and_free(device: str) -> tuple[str, int]:
                 pass
         return kind, (free_memory(kind) if device == "auto" else parse_mem(device))
     return "cpu", parse_mem(device)  # raises with the usage hint
+
+
+def check_memory(model, draft_file, ctx_size: int | None, device: str = "auto", slots: int = 1,
+                 caches: int | None = None) -> Estimate | None:
+    """The estimate for the target ``model`` (None: the default model) with ``draft_file`` (the
+    drafter's file from :func:`gemmaspec.speculative.plan.plan`, or None) at ``ctx_size`` per slot on
+    ``device``, refused when it does not fit; returned for printing once the model is loaded. None
+    where no estimate is made before loading: ``--device cuda`` without CUDA, or an assistant given
+    as the target (loading says why, in its own words).
+
+    Args:
+        caches: KV caches allocated (default ``slots``; serve on CUDA adds the engine's own).
+
+    Raises:
+        InputError: the setup does not fit (with the numbers), or a bad ``-c``.
+        ModelFileError: an unreadable model file (as loading would say).
+    """
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+    target = read_model(model)
+    if target.role != "target":
+        return None
+    draft = read_model(draft_file) if draft_file else None
+    est = estimate(target, draft, ctx_size, caches or slots, device, free_memory(device))
+    check_fits(est)
+    return est

@@ -10,6 +10,7 @@ benchmark measured fastest) and ``why`` (that measurement, one line).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 SHIPPED = Path(__file__).resolve().parent.parent / "data" / "assistants.json"
@@ -19,15 +20,26 @@ def shipped_assistant_entry(target_path) -> dict | None:
     """The entry of ``data/assistants.json`` for the target at ``target_path`` (the assistant gemmaspec
     ships for it: ``file``, ``n_max``, ``default_spec``, how it was measured), or None when none is
     shipped for that file. A target is matched by file size and sha256, the sha256 read from the
-    default model's check stamp when the file is the default model (so no 250 MB hash on each start)."""
-    import json
-
+    default model's check stamp when the file is the default model (so no 250 MB hash on each start).
+    The answer is remembered per file (path, size, modification time): a start asks once."""
     if not SHIPPED.exists() or target_path is None:
         return None
     p = Path(target_path)
     try:
+        st = p.stat()
+    except OSError:
+        return None
+    entry = _entry_for(str(p), st.st_size, st.st_mtime_ns)
+    return dict(entry) if entry is not None else None
+
+
+@lru_cache(maxsize=16)
+def _entry_for(path: str, size: int, mtime_ns: int) -> dict | None:
+    import json
+
+    p = Path(path)
+    try:
         entries = json.loads(SHIPPED.read_text())
-        size = p.stat().st_size
     except (OSError, ValueError):
         return None
     for e in entries:
@@ -37,7 +49,7 @@ def shipped_assistant_entry(target_path) -> dict | None:
         sha = None
         try:
             rec = json.loads(stamp.read_text())
-            if rec.get("size") == size and rec.get("mtime_ns") == p.stat().st_mtime_ns:
+            if rec.get("size") == size and rec.get("mtime_ns") == mtime_ns:
                 sha = rec.get("sha256")
         except (OSError, ValueError):
             pass

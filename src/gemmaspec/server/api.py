@@ -147,23 +147,29 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
     started = int(time.time())
 
     def load():
-        from ..loader import drafter_factory, drafter_file, load_engine
+        from ..loading.engine import load_engine
         from ..manage.default_model import default_model_path
+        from ..speculative.config import SpecConfig
+        from ..speculative.plan import build, plan
 
         t0 = time.perf_counter()
         path = Path(cfg.model) if cfg.model else default_model_path()
-        engine = load_engine(path, ctx_size=cfg.ctx_size, device=cfg.device, threads=cfg.threads)
-        engine.context_shift = cfg.context_shift
+        engine = load_engine(path, ctx_size=cfg.ctx_size, device=cfg.device, threads=cfg.threads,
+                             context_shift=cfg.context_shift)
         if cfg.chat_template is not None:
             engine.tokenizer.chat_template = cfg.chat_template
-        spec, make = drafter_factory(cfg.spec_type, engine, cfg.draft_model, cfg.p_min, cfg.ngram_size,
-                                     cfg.ngram_min)
+        drafter_plan = plan(SpecConfig(cfg.spec_type, cfg.draft_model, cfg.n_max, cfg.n_min, cfg.p_min, cfg.ngram_size,
+                                       cfg.ngram_min), path)
+        log.info("%s", drafter_plan.line())
+        if drafter_plan.why:
+            log.info("why: %s", drafter_plan.why)
+        make = build(drafter_plan, engine, warn=log.warning)
+        spec = drafter_plan.spec_type
         if cfg.n_max == "auto" and spec != "none":
             engine.forward_costs()
         names = {path.name, path.stem, str(path), str(cfg.model or "")}
         aliases = sorted({a.strip() for a in (cfg.alias or "").split(",") if a.strip()})
-        info.update(p_min=cfg.p_min if cfg.p_min is not None else getattr(make, "p_min", 0.0),
-                    draft_file=drafter_file(spec, cfg.draft_model, str(path)))  # -md, or the shipped assistant
+        info.update(p_min=drafter_plan.p_min, draft_file=drafter_plan.draft_file)  # -md, or the shipped assistant
         info.update(engine=engine, path=path, spec_type=spec, model_id=aliases[0] if aliases else path.name,
                     aliases=aliases, names={n for n in names | set(aliases) if n}, load_s=time.perf_counter() - t0,
                     created=int(time.time()))

@@ -161,7 +161,7 @@ class Scheduler:
     Args:
         load: called once on the scheduler's thread; returns ``(engine, make_drafter)`` where
             ``make_drafter(cache)`` gives a fresh drafter for a slot's cache (see
-            :func:`gemmaspec.loader.drafter_factory`). Loading on this thread keeps every model
+            :func:`gemmaspec.speculative.plan.build`). Loading on this thread keeps every model
             operation (and the torch thread setting) on one thread.
         n_slots: requests served concurrently (``-np``); more wait in a FIFO queue.
         metrics: a :class:`~gemmaspec.server.metrics.Metrics` or None.

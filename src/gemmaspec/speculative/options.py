@@ -12,7 +12,7 @@ SPEC_TYPES = ("none", "ngram-simple", "draft-simple", "draft-mtp", "default")
 """Accepted ``--spec-type`` values: no drafting, n-gram prompt lookup, a separate draft model, the MTP
 assistant, and ``default``: what gemmaspec ships as best for this model (``draft-mtp`` with the
 assistant shipped for it where that was measured faster, else ``ngram-simple``; see
-``gemmaspec.loader.drafter_factory``)."""
+``gemmaspec.speculative.plan.plan``)."""
 
 DRAFTLESS_TYPES = ("ngram-simple",)
 """Types that need no draft model; in a list they come first (llama.cpp's precedence)."""

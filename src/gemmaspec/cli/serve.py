@@ -16,11 +16,15 @@ from pathlib import Path
 
 from ..errors import InputError, ModelFileError
 from ..seeds import seed_arg
-from ..speculative.options import parse_n_max
+from .args import add_common, add_spec, memory_estimate, refuse, sampling_params, spec_plan
+
+LLAMA_FLAGS_REFUSED_SERVE = {
+    ("-cb", "--cont-batching", "-nocb", "--no-cont-batching"): "the -np slots are always batched together",
+}
 
 
-def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
-    """Register ``serve`` on the ``gemmaspec`` subparsers (``add_common``/``add_spec``: the shared flags)."""
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register ``serve`` on the ``gemmaspec`` subparsers."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (llama-server's API), several users at once",
                        allow_abbrev=False)
     add_common(s)
@@ -67,9 +71,8 @@ def add_serve_parser(sub, add_common, add_spec) -> argparse.ArgumentParser:
     d.add_argument("--repeat-penalty", type=float, default=None, help="repetition penalty (default 1.0)")
     d.add_argument("-s", "--seed", type=seed_arg, default=None,
                    help="seed (default -1: a random seed per request); any integer, wrapped to 32 bits as llama.cpp does")
-    add_spec(s, default=None,
-             help_default="default: what ships as fastest for the model (the default model: ngram-simple,draft-mtp), "
-                          "else ngram-simple; with -md: draft-mtp for an assistant, else draft-simple")
+    add_spec(s)
+    refuse(s, LLAMA_FLAGS_REFUSED_SERVE)
     return s
 
 
@@ -154,37 +157,22 @@ def serve(args) -> int:
     """
     import uvicorn
 
-    from .api import ServeConfig, create_app
+    from ..server.api import ServeConfig, create_app
 
-    from ..loader import memory_estimate, resolve_models
-
-    resolve_models(args)
-    n_max = parse_n_max(args.spec_draft_n_max)
     if args.parallel < 1:
         raise InputError(f"-np must be at least 1 (got {args.parallel})")
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in 0..65535 (got {args.port})")
-    if args.spec_draft_n_min < 0:
-        raise InputError(f"--spec-draft-n-min must be >= 0 (got {args.spec_draft_n_min})")
-    from ..speculative.options import check_spec_flags
-
-    check_spec_flags(args.spec_type, args.model_draft, args.spec_draft_p_min)  # before listening
+    drafter_plan = spec_plan(args)  # bad speculative flags are refused before listening
     if args.api_key is not None and not args.api_key.strip():
         raise InputError("--api-key must not be empty")
     for flag, path in (("-m", args.model), ("-md", args.model_draft)):
         _check_readable(flag, path)
     # the slots' caches, plus the engine's own (allocated, never written by serve: it costs device memory
     # on CUDA, not resident memory on the CPU)
-    est = memory_estimate(args, args.parallel, args.parallel + (1 if args.device == "cuda" else 0))
-    if args.n_predict is not None and (args.n_predict == 0 or args.n_predict < -1):
-        raise InputError(f"-n must be at least 1, or -1 for no limit (got {args.n_predict})")
-    top_k = None if args.top_k is None else max(args.top_k, 0)  # llama.cpp's top-k is off at k <= 0
-    given = {k: v for k, v in (("temperature", args.temp), ("top_k", top_k), ("top_p", args.top_p),
-                               ("min_p", args.min_p), ("repeat_penalty", args.repeat_penalty), ("seed", args.seed))
-             if v is not None}
-    from ..sampling import SamplingParams
-
-    defaults = SamplingParams(**given).validate()
+    est = memory_estimate(args, drafter_plan, args.parallel, args.parallel + (1 if args.device == "cuda" else 0))
+    defaults = sampling_params(args, server=True)
+    spec = drafter_plan.spec
     slot_dir = None
     if args.slot_save_path:
         slot_dir = Path(args.slot_save_path)
@@ -194,7 +182,7 @@ def serve(args) -> int:
             raise InputError(f"--slot-save-path {slot_dir}: cannot create it ({exc.strerror or exc})") from None
         slot_dir = str(slot_dir)
     split = lambda vals: tuple(x.strip() for v in vals for x in v.split(",") if x.strip())  # noqa: E731
-    from .security import host_names, normalize_origin
+    from ..server.security import host_names, normalize_origin
 
     binds = [h.strip().strip("[]") for h in args.host.split(",") if h.strip()]
     if not binds:
@@ -204,9 +192,9 @@ def serve(args) -> int:
         raise InputError(f"--allowed-hosts takes host names as a Host header carries them (box.example or "
                          f"box.example:8085), not {bad[0]!r}")
     hosts = tuple(n for b in binds for n in host_names(b, split(args.allowed_hosts)))  # IPs, localhost pass
-    cfg = ServeConfig(model=args.model, draft_model=args.model_draft, spec_type=args.spec_type, n_max=n_max,
-                      n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, ngram_size=args.spec_ngram_size,
-                      ngram_min=args.spec_ngram_min, ctx_size=args.ctx_size, n_slots=args.parallel,
+    cfg = ServeConfig(model=args.model, draft_model=spec.draft_model, spec_type=spec.type, n_max=spec.n_max,
+                      n_min=spec.n_min, p_min=spec.p_min, ngram_size=spec.ngram_size,
+                      ngram_min=spec.ngram_min, ctx_size=args.ctx_size, n_slots=args.parallel,
                       device=args.device, threads=args.threads, api_key=args.api_key, alias=args.alias,
                       defaults=defaults, n_predict=args.n_predict, allowed_hosts=hosts,
                       cors_origins=tuple(normalize_origin(o) for o in split(args.cors_origin)), slot_save_path=slot_dir, verbose=args.verbose,

@@ -90,14 +90,14 @@ def _read_data(files: list[str]) -> list[str]:
 def run_train(args) -> int:
     import torch
 
-    from ..loader import set_threads
+    from ..loading.engine import set_threads
     from ..loading import load_checkpoint
     from ..manage.default_model import default_model_path
     from ..paths import cache_home
-    from .corpus import SELF_PROMPTS, build_corpus, held_out_texts, self_generated
+    from ..training.corpus import SELF_PROMPTS, build_corpus, held_out_texts, self_generated
     from ..loading.assistant_gguf import export_gguf
-    from .teacher import build_chunks, chunk_dir
-    from .train import TrainSettings, train
+    from ..training.teacher import build_chunks, chunk_dir
+    from ..training.train import TrainSettings, train
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: this PyTorch sees no CUDA GPU; use --device cpu")
@@ -151,7 +151,7 @@ def run_train(args) -> int:
     if args.self_prompts:
         import hashlib as _h
 
-        from .selfgen import generate_chunks, generated_prompts, selfgen_dir
+        from ..training.selfgen import generate_chunks, generated_prompts, selfgen_dir
 
         gdir = selfgen_dir(cdir.parent, args.seed, 256, args.self_sample_frac, args.self_temperature)
         bar = tqdm(desc="self-generation (with teacher signals)", unit="prompt")
@@ -199,11 +199,14 @@ def run_train(args) -> int:
 
 def run_eval(args) -> int:
     from ..engine import RequestStats
-    from ..loader import drafter_factory, load_engine
+    from ..loading.engine import load_engine
     from ..sampling import SamplingParams
+    from ..speculative.config import SpecConfig
+    from ..speculative.plan import build, plan
 
     engine = load_engine(args.model, threads=args.threads)
-    _, make = drafter_factory("draft-mtp", engine, args.model_draft, args.spec_draft_p_min)
+    spec = SpecConfig("draft-mtp", args.model_draft, args.spec_draft_n_max, p_min=args.spec_draft_p_min)
+    make = build(plan(spec, engine.model_path), engine, warn=lambda line: print(line, file=sys.stderr))
     if args.prompts:
         prompts = [line.replace("\\n", "\n") for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     else:

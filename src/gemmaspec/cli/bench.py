@@ -120,11 +120,11 @@ def parse_settings(args) -> dict:
 
 
 def run(args) -> int:
-    from .analyze import lossless, summarize
-    from .report import load_results, write_report
-    from .run import Config, sweep, write_json
-    from .suite import load_suite
-    from .targets import InProcessTarget, LlamaCppTarget, UrlTarget
+    from ..bench.analyze import lossless, summarize
+    from ..bench.report import load_results, write_report
+    from ..bench.run import Config, sweep, write_json
+    from ..bench.suite import load_suite
+    from ..bench.targets import InProcessTarget, LlamaCppTarget, UrlTarget
 
     out = Path(args.out)
     if args.report_only:
@@ -199,6 +199,6 @@ def run(args) -> int:
 
 
 def _threads() -> int:
-    from ..loader import physical_cores
+    from ..loading.engine import physical_cores
 
     return physical_cores()

@@ -13,10 +13,12 @@ and at the prompt leaves.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import TextIO
 
-from .report import stats_line
+from ..report import stats_line
+from .args import add_common, add_sampling, add_spec, sampling_params
 
 EXIT_WORDS = ("/exit", "/quit")
 
@@ -60,7 +62,7 @@ def run_chat(engine, drafter, params, n_max=0, n_min: int = 0, system: str | Non
     Raises:
         GemmaspecError: a turn that fails in a way that is not about its own length (bad template).
     """
-    from .engine import RequestStats
+    from ..engine import RequestStats
 
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
     interactive = inp is sys.stdin and inp.isatty()
@@ -118,3 +120,31 @@ def run_chat(engine, drafter, params, n_max=0, n_min: int = 0, system: str | Non
                 for line in stats.spec.drafter_lines():
                     print(line, file=err)
         turns.append({"role": "assistant", "content": "".join(reply)})
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register ``chat`` on the ``gemmaspec`` subparsers."""
+    from .generate import add_verbose
+
+    c = sub.add_parser("chat", help="a conversation in the terminal (llama-cli's -cnv), streamed", allow_abbrev=False)
+    add_common(c)
+    add_sampling(c, 512, "most tokens per reply (-1: until the end of the turn or the context; default 512)")
+    c.add_argument("-sys", "--system-prompt", default=None, help="system message at the head of the conversation")
+    c.add_argument("-cnv", "--conversation", action="store_true", help=argparse.SUPPRESS)  # what chat is anyway
+    add_verbose(c)
+    add_spec(c)
+    return c
+
+
+def run(args) -> int:
+    """``gemmaspec chat``. Returns the exit status (0)."""
+    from .generate import load, print_memory
+
+    params = sampling_params(args)
+    engine, drafter, plan, _, memory_line = load(args)
+    print_memory(memory_line)
+    if args.model is None:
+        print("note: the default model (Gemma 3 270M) is a base model: it continues text and only half follows a "
+              "conversation; for real answers pass -m with an instruction-tuned Gemma GGUF", file=sys.stderr)
+    return run_chat(engine, drafter, params, n_max=plan.spec.n_max, n_min=plan.spec.n_min, system=args.system_prompt,
+                    spec=plan.spec_type != "none")

@@ -21,36 +21,31 @@ import json
 import shlex
 import sys
 
-from .errors import InputError
+from ..errors import InputError
+from ..speculative.options import spec_model_type
+from .args import add_spec, resolve_models, spec_config
 
 TARGETS = ("llama-server", "vllm", "sglang")
 GPU_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 
 
-def add_export_parser(sub) -> None:
+def add_parser(sub) -> None:
+    """Register ``export`` on the ``gemmaspec`` subparsers."""
     e = sub.add_parser("export", help="print the llama-server / vLLM / SGLang command for the same model and drafter",
                        allow_abbrev=False)
     e.add_argument("server", choices=TARGETS, help="the server to launch")
     e.add_argument("-m", "--model", default=None, help="model file, directory or known name (default: the embedded one)")
-    e.add_argument("-md", "--model-draft", default=None, help="assistant or draft model")
     e.add_argument("-c", "--ctx-size", type=int, default=None, help="context per sequence (default 4096 or the model's)")
     e.add_argument("-np", "--parallel", type=int, default=1, help="sequences served at once (default 1)")
-    e.add_argument("--spec-type", default=None, metavar="TYPE[,TYPE]",
-                   help="drafter: none, ngram-simple, draft-simple, draft-mtp, or (llama-server only) n-gram lookup "
-                        "with a model type, e.g. ngram-simple,draft-mtp (default: draft-mtp for an assistant -md, "
-                        "draft-simple for a model, else none)")
-    e.add_argument("--spec-draft-n-max", "--draft-max", default=None,
-                   help="draft tokens per round (default: the catalog's recommendation, else 3)")
-    e.add_argument("--spec-ngram-size", type=int, default=4, help="longest n-gram (ngram-simple; default 4)")
-    e.add_argument("--spec-ngram-min", type=int, default=1, help="shortest n-gram (ngram-simple; default 1)")
     e.add_argument("--port", type=int, default=8080, help="port of the exported server (default 8080)")
     e.add_argument("--gpu-mem", default="80GiB", help="memory of one GPU, for the tensor-parallel size (default 80GiB)")
+    add_spec(e)  # the speculation exported is what gemmaspec generate / serve would run
 
 
 def _name_for_vllm(arg: str | None, path: str | None, entry) -> str:
     """What vLLM / SGLang should load: a catalog entry's Hugging Face repo (a GGUF entry's source
     checkpoint), else the local path."""
-    from .manage import catalog
+    from ..manage import catalog
 
     if entry is not None:
         if entry.hf_equivalent:
@@ -75,7 +70,7 @@ def tensor_parallel(total_bytes: int, gpu_bytes: int, heads: int) -> int:
     for t in (1, 2, 4, 8):
         if heads % t == 0 and total_bytes / t <= GPU_UTILIZATION * gpu_bytes:
             return t
-    from .kernels.cuda import fmt_bytes
+    from ..kernels.cuda import fmt_bytes
 
     raise InputError(f"the setup needs {fmt_bytes(total_bytes)}: more than 8 GPUs of --gpu-mem {fmt_bytes(gpu_bytes)}; "
                      "use pipeline parallelism across nodes (see docs/scale-out.md)")
@@ -83,7 +78,7 @@ def tensor_parallel(total_bytes: int, gpu_bytes: int, heads: int) -> int:
 
 def _gpu_estimate(target_path, draft_path, ctx, slots) -> tuple[int, int, int]:
     """(bytes the exported server needs in bf16, attention heads, context used)."""
-    from .manage.fit import buffer_bytes, kv_bytes_per_slot, read_model
+    from ..manage.fit import buffer_bytes, kv_bytes_per_slot, read_model
 
     t = read_model(target_path)
     d = read_model(draft_path) if draft_path else None
@@ -100,47 +95,46 @@ def _numels(m):
 
 
 def build_command(args) -> list[str]:
-    """The exported server's argv for ``args`` (models already resolved to paths)."""
-    from .manage.fit import parse_mem
-    from .speculative.options import parse_n_max
+    """The exported server's argv for ``args`` (models already resolved to paths): the drafter
+    gemmaspec's :func:`~gemmaspec.speculative.plan.plan` picks (so no flags means gemmaspec's default
+    speculation, the shipped assistant included), in the other server's terms.
 
-    spec = args.spec_type
-    if spec is None:
-        spec = "none"
-        if args.model_draft:
-            from .manage.fit import read_model
+    Raises:
+        InputError: ``auto`` draft length, an ``-md`` of the wrong role, a list for vLLM / SGLang,
+            a file the server cannot load.
+    """
+    from ..manage.fit import parse_mem, read_model
+    from ..speculative.plan import plan
 
-            spec = "draft-mtp" if read_model(args.model_draft).role == "assistant" else "draft-simple"
-    n = parse_n_max(args.spec_draft_n_max)
+    given = args.spec_type is not None or args.model_draft is not None
+    drafter_plan = plan(spec_config(args), args.model)
+    n, spec = drafter_plan.spec.n_max, drafter_plan.spec_type
     if n == "auto":
         raise InputError("--spec-draft-n-max auto is gemmaspec's own; give the exported server a number")
-    from .speculative.options import parse_spec_type, spec_model_type
-
-    spec = parse_spec_type(spec)
-    if spec == "default":
-        raise InputError("--spec-type default is gemmaspec's own; name the types for the exported server")
-    if spec_model_type(spec) and not args.model_draft:
-        raise InputError(f"--spec-type {spec} needs -md")
-    if spec_model_type(spec) and args.model_draft:  # the role the type needs, as gemmaspec's loader checks
-        from .manage.fit import read_model
-
-        want = "assistant" if spec_model_type(spec) == "draft-mtp" else "target"
+    model_type = drafter_plan.model_type
+    if model_type and args.model_draft:  # the role the type needs, as gemmaspec's loader checks
+        want = "assistant" if model_type == "draft-mtp" else "target"
         role = read_model(args.model_draft).role
         if role != want:
             other = "draft-mtp" if role == "assistant" else "draft-simple"
             raise InputError(f"-md {args.model_draft} is {'an assistant' if role == 'assistant' else 'a model'}, which "
-                             f"--spec-type {spec_model_type(spec)} does not take: use --spec-type "
-                             f"{spec.replace(spec_model_type(spec), other)}")
+                             f"--spec-type {model_type} does not take: use --spec-type "
+                             f"{spec.replace(model_type, other)}")
     if "," in spec and args.server != "llama-server":
-        raise InputError(f"{args.server} takes one speculative method; a list (--spec-type {spec}) is llama-server's "
-                         f"and gemmaspec's: export one of {spec.replace(',', ', ')}")
+        if given:
+            raise InputError(f"{args.server} takes one speculative method; a list (--spec-type {spec}) is "
+                             f"llama-server's and gemmaspec's: export one of {spec.replace(',', ', ')}")
+        spec = "ngram-simple"  # gemmaspec's default list; its shipped assistant is gemmaspec's own format
+        print(f"note: {args.server} takes one speculative method and cannot load gemmaspec's shipped assistant: "
+              f"exporting ngram-simple (gemmaspec runs {drafter_plan.spec_type})", file=sys.stderr)
+    draft_file = drafter_plan.draft_file if spec_model_type(spec) else None
     if args.parallel < 1:
         raise InputError(f"-np must be at least 1 (got {args.parallel})")
     if args.server == "llama-server":
-        from .manage.default_model import default_model_path
+        from ..manage.default_model import default_model_path
 
         model = args.model or str(default_model_path())
-        for flag, p in (("-m", model), ("-md", args.model_draft)):
+        for flag, p in (("-m", model), ("-md", draft_file)):
             if p and not str(p).endswith(".gguf"):
                 raise InputError(f"llama-server loads GGUF files; {flag} {p} is not one: convert it first "
                                  f"(gemmaspec convert {p} OUT.gguf)")
@@ -149,12 +143,14 @@ def build_command(args) -> list[str]:
             cmd += ["-c", str(args.ctx_size * args.parallel)]  # llama-server's -c is shared by the slots
         if spec != "none":
             cmd += ["--spec-type", spec, "--spec-draft-n-max", str(n)]
-            if args.model_draft:
-                cmd += ["-md", str(args.model_draft)]
+            if draft_file:
+                cmd += ["-md", str(draft_file)]
+                if drafter_plan.p_min:
+                    cmd += ["--spec-draft-p-min", f"{drafter_plan.p_min:g}"]
         return cmd
     target = _name_for_vllm(args.model, args.model, args.target_entry)
-    draft = _name_for_vllm(args.model_draft, args.model_draft, args.draft_entry) if args.model_draft else None
-    total, heads, ctx = _gpu_estimate(args.model, args.model_draft, args.ctx_size, args.parallel)
+    draft = _name_for_vllm(draft_file, draft_file, args.draft_entry) if draft_file else None
+    total, heads, ctx = _gpu_estimate(args.model, draft_file, args.ctx_size, args.parallel)
     tp = tensor_parallel(total, parse_mem(args.gpu_mem), heads)
     if args.server == "vllm":
         cmd = ["vllm", "serve", target, "--port", str(args.port), "--max-model-len", str(ctx),
@@ -181,10 +177,9 @@ def build_command(args) -> list[str]:
     return cmd
 
 
-def cmd_export(args) -> int:
+def run(args) -> int:
     """``gemmaspec export``: print the command (shell-quoted) on stdout."""
-    from .loader import resolve_models
-    from .manage.hub import resolve
+    from ..manage.hub import resolve
 
     model_arg, draft_arg = args.model, args.model_draft
     resolve_models(args)
