@@ -1,6 +1,7 @@
 """What a Gemma 4 target or assistant needs in device memory, from its configuration alone: every
 tensor's shape under its GGUF name, the layers that keep a KV cache, and the bytes of both in the
-device layout of :mod:`gemmaspec.kernels.cuda` (weights block-quantized as stored; float32 KV cache).
+device layout of :mod:`gemmaspec.kernels.cuda` (weights block-quantized as stored; float32 KV cache),
+by the per-tensor arithmetic of :mod:`gemmaspec.kernels.memory`.
 
 Shapes follow transformers' ``modeling_gemma4.py`` (``Gemma4TextDecoderLayer``: double-wide MLP on
 KV-shared layers, no K/V projections there, per-layer-input tensors when
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 
-from ..kernels.cuda import CUDA_CONTEXT_BYTES, DeviceMemory, kv_cache_bytes, layout_bytes, work_bytes
+from ..kernels.memory import CUDA_CONTEXT_BYTES, DeviceMemory, kv_cache_bytes, layout_bytes, work_bytes
 from .config import Gemma3Config, Gemma4AssistantConfig, Gemma4Config
 
 
