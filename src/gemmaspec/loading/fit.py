@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
-from ..kernels.memory import fmt_bytes, kv_cache_bytes, runtime_bytes, tensor_bytes, work_bytes
-from ..models.footprint import kv_layers, layer_ffn
+from ..kernels.memory import fmt_bytes, kv_cache_bytes, runtime_bytes, tensor_bytes
+from ..models.footprint import kv_layers, step_work_bytes
 
 MAX_ROLLBACK = 16  # engine default
 PREFILL_CHUNK = 256  # engine.PREFILL_CHUNK
@@ -97,12 +97,8 @@ def kv_bytes_per_slot(m: ModelInfo, ctx: int, dtype_bytes: int = 4) -> int:
 
 def buffer_bytes(m: ModelInfo, ctx: int) -> int:
     """Working buffers of the model's largest step at ``ctx`` (see the module docstring)."""
-    c = m.text
-    ffn = max(layer_ffn(c, i) for i in range(c.num_layers)) if hasattr(c, "kv_source") else c.intermediate_size
-    head_dim = max(c.head_dim, getattr(c, "global_head_dim", 0) or 0)
-    extra = c.num_layers * (getattr(c, "hidden_size_per_layer_input", 0) or 0)
     rows = min(PREFILL_CHUNK, ctx) if m.role == "target" else 1
-    return work_bytes(rows, ctx, c.hidden_size, ffn, c.num_heads, head_dim, c.vocab_size, extra)
+    return step_work_bytes(m.config, rows, ctx)
 
 
 def parse_mem(text: str) -> int:
