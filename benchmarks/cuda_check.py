@@ -81,7 +81,8 @@ def main() -> None:
         sys.exit("no CUDA GPU visible to PyTorch (torch.cuda.is_available() is False): this script measures the "
                  "CUDA path and has nothing to do here. Install the CUDA build with `make TORCH=cuda`.")
     from gemmaspec.kernels import BlockWeight
-    from gemmaspec.kernels.cuda import DeviceQuantWeight, fmt_bytes, use_kernel
+    from gemmaspec.kernels.cuda import DeviceQuantWeight, use_kernel
+    from gemmaspec.kernels.memory import fmt_bytes
     from gemmaspec.loading.engine import load_engine
     from gemmaspec.manage.default_model import default_model_path
     from gemmaspec.models.config import Gemma4AssistantConfig, Gemma4Config

@@ -107,6 +107,6 @@ def test_no_background_regroup_when_the_copies_would_crowd_memory(lib, model_pat
     monkeypatch.setenv("GEMMASPEC_REGROUP", "first-use")
     model = load_checkpoint(model_path, role="target").model
     monkeypatch.setenv("GEMMASPEC_REGROUP", "background")
-    monkeypatch.setattr(kernels, "_mem_available", lambda: 4 * model.head.nbytes)  # the copies: > 1/4 of it
+    monkeypatch.setattr(kernels.regroup, "_mem_available", lambda: 4 * model.head.nbytes)  # the copies: > 1/4 of it
     assert kernels.regroup_in_background(product_weights(model)) is None
     assert not model.head.__dict__.get("_bg")  # regrouped at first use, as before

@@ -42,7 +42,9 @@ def test_generate_streams_text_and_stats(model_path):
     res = run_cli("generate", "-m", str(model_path), "-p", "The capital of France is", "-n", "12", "--temp", "0")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() and "The capital of France is" not in res.stdout
-    stats = res.stderr.strip().splitlines()[-1]
+    lines = res.stderr.strip().splitlines()
+    assert lines[0].startswith("speculation: ngram-simple,draft-mtp, n-max 3")  # on by default, said first
+    stats = next(ln for ln in lines if "TTFT" in ln)
     for word in ("prompt", "prefill", "tokens/s", "generated 12 tokens", "decode", "TTFT"):
         assert word in stats, stats
 
@@ -178,13 +180,15 @@ def test_draft_model_with_itself_accepts_everything(model_path):
 
 def test_md_without_spec_type_drafts_with_that_model(model_path):
     """``-md`` alone turns drafting on with that model, as llama.cpp does (it was an error: "-md is used
-    by --spec-type draft-simple or draft-mtp, not none"); without ``-md`` generate does not draft."""
+    by --spec-type draft-simple or draft-mtp, not none"); ``--spec-type none`` does not draft."""
     res = run_cli("generate", "-m", str(model_path), "-md", str(model_path), "-p", "The capital of France is",
                   "-n", "9", "--temp", "0", "--spec-draft-n-max", "3")
     assert res.returncode == 0, res.stderr
     assert "draft acceptance = 1.00000" in res.stderr
-    plain = run_cli("generate", "-m", str(model_path), "-p", "The capital of France is", "-n", "9", "--temp", "0")
+    plain = run_cli("generate", "-m", str(model_path), "-p", "The capital of France is", "-n", "9", "--temp", "0",
+                    "--spec-type", "none")
     assert plain.returncode == 0 and "draft acceptance" not in plain.stderr and plain.stdout == res.stdout
+    assert "speculation: off" in plain.stderr
 
 
 def test_json_and_memory_line_name_the_drafter_that_runs(model_path):
@@ -198,7 +202,8 @@ def test_json_and_memory_line_name_the_drafter_that_runs(model_path):
             "list": run_cli(*base, "-md", str(model_path), "--spec-type", "ngram-simple,draft-simple")}
     rec = {k: json.loads(r.stdout.strip().splitlines()[-1]) for k, r in runs.items()}
     assert rec["default"]["spec_type"] == "ngram-simple,draft-mtp"  # the default model's shipped default
-    assert "assistant shipped for this model (gemma-3-270m-assistant-q4_0.gguf, p-min 0.3;" in runs["default"].stderr
+    assert "with the assistant shipped for this model (gemma-3-270m-assistant-q4_0.gguf, p-min 0.3)" \
+        in runs["default"].stderr
     assert rec["md"]["spec_type"] == "draft-simple" and rec["list"]["spec_type"] == "ngram-simple,draft-simple"
     mem = {k: re.search(r"target ([\d.]+) MiB \+ drafter ([\d.]+) MiB", r.stderr).groups() for k, r in runs.items()}
     assert mem["list"][1] == mem["md"][1] == mem["list"][0]  # the draft model is the target's file

@@ -29,8 +29,9 @@ from hypothesis import given, settings, strategies as st
 
 from gemmaspec.kernels import BlockWeight, Q4_0Weight, QuantizedWeight
 from gemmaspec.kernels import cuda
-from gemmaspec.kernels.cuda import DeviceQuantWeight, kernel_matmul, layout_bytes, to_device
+from gemmaspec.kernels.cuda import DeviceQuantWeight, kernel_matmul, to_device
 from gemmaspec.kernels.ggml_blocks import to_int8_blocks
+from gemmaspec.kernels.memory import kv_cache_bytes, layout_bytes
 from gemmaspec.models.config import Gemma4AssistantConfig, Gemma4Config
 from gemmaspec.models.footprint import device_memory, kv_layers, tensor_shapes
 from gemmaspec.models.gemma4 import Gemma4Model
@@ -386,7 +387,7 @@ def test_kv_bytes_are_what_the_cache_allocates(context):
     model = Gemma4Model(cfg, {n: torch.empty(s) for n, s in tensor_shapes(cfg).items()})
     cache = model.new_cache(context)
     allocated = sum(2 * layer.k.numel() * layer.k.element_size() for layer in cache.layers if layer is not None)
-    assert cuda.kv_cache_bytes(kv_layers(cfg), context) == allocated
+    assert kv_cache_bytes(kv_layers(cfg), context) == allocated
     assert device_memory(cfg, context).kv_cache == allocated
     assert sum(layer is not None for layer in cache.layers) == len(kv_layers(cfg)) == 4
 

@@ -91,8 +91,30 @@ def test_a_spec_type_list_goes_to_llama_server_only(capsys, dirs, model_path):
     t, a = dirs
     assert cli.main(["export", "vllm", "-m", str(t), "-md", str(a), "--spec-type", "ngram-simple,draft-mtp"]) == 1
     assert "vllm takes one speculative method" in capsys.readouterr().err
-    assert cli.main(["export", "llama-server", "-m", str(model_path), "--spec-type", "ngram-simple,draft-mtp"]) == 1
-    assert "needs -md" in capsys.readouterr().err
+    # without -md the list drafts with the assistant shipped for the default model, as generate does
+    argv = _run(capsys, "llama-server", "-m", str(model_path), "--spec-type", "ngram-simple,draft-mtp")
+    assert argv[argv.index("-md") + 1].endswith("gemma-3-270m-assistant-q4_0.gguf")
+    assert cli.main(["export", "llama-server", "-m", str(t), "--spec-type", "ngram-simple,draft-mtp"]) == 1
+    assert "needs the target's assistant: -md" in capsys.readouterr().err  # none ships for this target
+
+
+def test_no_flags_export_gemmaspecs_default_speculation(capsys, model_path):
+    """``export llama-server`` with no speculative flags carries what ``generate`` and ``serve`` run for
+    the model: for the default model the list with the shipped assistant at its p-min (it dropped
+    speculation); vLLM takes one method and cannot load that assistant, so it gets n-gram lookup, said."""
+    from gemmaspec.speculative.config import SpecConfig
+    from gemmaspec.speculative.plan import plan
+
+    pl = plan(SpecConfig(), model_path)
+    argv = _run(capsys, "llama-server", "-m", str(model_path))
+    ns, rest = _flags(argv[1:], [(("-m",), {}), (("-md",), {}), (("--spec-type",), {}),
+                                 (("--spec-draft-n-max",), {"type": int}), (("--spec-draft-p-min",), {"type": float}),
+                                 (("--port",), {"type": int}), (("-np",), {"type": int})])
+    assert not rest
+    assert (ns.spec_type, ns.md, ns.spec_draft_p_min) == (pl.spec_type, pl.draft_file, pl.p_min)
+    assert pl.spec_type == "ngram-simple,draft-mtp" and pl.p_min > 0
+    assert _run(capsys, "llama-server", "-m", str(model_path), "--spec-type", "none") == \
+        ["llama-server", "-m", str(model_path), "--port", "8080", "-np", "1"]
 
 
 def test_md_of_the_wrong_role_is_refused(capsys, dirs, model_path):

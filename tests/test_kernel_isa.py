@@ -91,9 +91,9 @@ def test_prefill_dequantizes_a_tile_at_a_time(monkeypatch):
     w = kernels.QuantizedWeight(torch.randint(-8, 8, (1000, 64), dtype=torch.int8, generator=g),
                                 torch.rand(1000, 2, generator=g), torch.rand(1000, 2, generator=g), 32)
     x = torch.randn(40, 64, generator=g)
-    monkeypatch.setattr(kernels, "TILE_BYTES", 64 * 4 * 300)  # 300 rows per tile: 4 tiles, the last partial
+    monkeypatch.setattr(kernels.weights, "TILE_BYTES", 64 * 4 * 300)  # 300 rows per tile: 4 tiles, the last partial
     widest = []
-    real = kernels.torch.empty
+    real = torch.empty
 
     def spy(*shape, **kw):
         t = real(*shape, **kw)
@@ -101,7 +101,7 @@ def test_prefill_dequantizes_a_tile_at_a_time(monkeypatch):
             widest.append(shape[0])
         return t
 
-    monkeypatch.setattr(kernels.torch, "empty", spy)
+    monkeypatch.setattr(torch, "empty", spy)
     got = w(x)
     monkeypatch.undo()
     assert widest == [300]

@@ -138,11 +138,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     """``gemmaspec chat``. Returns the exit status (0)."""
-    from .generate import load, print_memory
+    from .generate import announce, load
 
     params = sampling_params(args)
     engine, drafter, plan, _, memory_line = load(args)
-    print_memory(memory_line)
+    announce(args, plan, memory_line)
     if args.model is None:
         print("note: the default model (Gemma 3 270M) is a base model: it continues text and only half follows a "
               "conversation; for real answers pass -m with an instruction-tuned Gemma GGUF", file=sys.stderr)

@@ -70,7 +70,7 @@ def tensor_parallel(total_bytes: int, gpu_bytes: int, heads: int) -> int:
     for t in (1, 2, 4, 8):
         if heads % t == 0 and total_bytes / t <= GPU_UTILIZATION * gpu_bytes:
             return t
-    from ..kernels.cuda import fmt_bytes
+    from ..kernels.memory import fmt_bytes
 
     raise InputError(f"the setup needs {fmt_bytes(total_bytes)}: more than 8 GPUs of --gpu-mem {fmt_bytes(gpu_bytes)}; "
                      "use pipeline parallelism across nodes (see docs/scale-out.md)")

@@ -49,8 +49,8 @@ def add_verbose(p: argparse.ArgumentParser) -> None:
 
 def load(args):
     """Plan the drafter, estimate the memory (a setup that does not fit is refused before loading),
-    then load the engine and the drafter. Prints the speculation line (and with ``--verbose`` its
-    reason) on stderr; the memory line is the caller's to print once the request is accepted.
+    then load the engine and the drafter. The caller prints :func:`announce` once the request is
+    accepted (a refused prompt gets its one error line only).
 
     Returns:
         ``(engine, drafter, plan, load_s, memory_line)``: load time in seconds (the engine's); the
@@ -71,16 +71,17 @@ def load(args):
                              context_shift=getattr(args, "context_shift", False))
         load_s = time.perf_counter() - t0
         drafter = build(plan, engine, warn=lambda line: print(line, file=sys.stderr))(engine.cache)
-    print(plan.line(), file=sys.stderr)
-    if getattr(args, "verbose", False) and plan.why:
-        print(f"  why: {plan.why}", file=sys.stderr)
     return engine, drafter, plan, load_s, (est.line() if est is not None else None)
 
 
-def print_memory(line: str | None) -> None:
-    """The memory estimate's line on stderr, when there is one."""
-    if line:
-        print(line, file=sys.stderr)
+def announce(args, plan, memory_line: str | None) -> None:
+    """On stderr: the speculation line (which drafter, n-max, file), with ``--verbose`` the reason for a
+    shipped default, and the memory estimate's line when there is one."""
+    print(plan.line(), file=sys.stderr)
+    if getattr(args, "verbose", False) and plan.why:
+        print(f"  why: {plan.why}", file=sys.stderr)
+    if memory_line:
+        print(memory_line, file=sys.stderr)
 
 
 def read_prompt(args) -> str:
@@ -111,7 +112,7 @@ def run(args) -> int:
     ids = engine.encode_prompt(prompt, chat=args.chat, system=args.system_prompt)
     if not args.context_shift:
         engine.check_prompt(ids)
-    print_memory(memory_line)
+    announce(args, plan, memory_line)
     stats = RequestStats()
     out = sys.stdout
     n_max = plan.spec.n_max

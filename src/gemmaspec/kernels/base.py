@@ -1,6 +1,6 @@
 """The interface of every block-quantized weight matrix, with no dependencies, so that the CPU
-formats (``kernels/__init__.py``) and the device layout (``kernels/cuda.py``) both build on it
-without importing each other."""
+formats (``kernels/weights.py``), the background regroup (``kernels/regroup.py``) and the device
+layout (``kernels/cuda.py``) all build on it without importing each other."""
 
 from __future__ import annotations
 
@@ -30,3 +30,9 @@ class BlockWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def _segment_owners(self) -> list:
+        """The CPU :class:`~gemmaspec.kernels.weights.StoredWeight` objects behind this weight's kernel
+        segments, in segment order (None for a segment of another kind); a weight with no CPU kernel
+        segments (a device layout) has none."""
+        return []

@@ -7,47 +7,36 @@ What is counted is what gemmaspec itself allocates (see docs/architecture.md):
   Q5_0 / Q4_K / Q6_K matrices are the mapped file's own bytes (resident once read; the tied output
   head reads all of the embedding every step); Q4_1 / Q5_1 / Q5_K matrices become int8 levels +
   float32 scales (+ offsets); F16 / BF16 and other tensors float32. A checkpoint directory is widened
-  to float32. On CUDA: :func:`gemmaspec.kernels.cuda.layout_bytes` per tensor.
-- **KV cache per slot** (float32, :func:`gemmaspec.kernels.cuda.kv_cache_bytes`): sliding-window
+  to float32. On CUDA: :func:`gemmaspec.kernels.memory.layout_bytes` per tensor (all of it:
+  :func:`gemmaspec.kernels.memory.tensor_bytes`).
+- **KV cache per slot** (float32, :func:`gemmaspec.kernels.memory.kv_cache_bytes`): sliding-window
   layers hold ``window + max_rollback`` rows, full layers the context; KV-shared layers hold nothing
   (they read their source layer's cache, counted once); an MTP assistant keeps none (it reads the
   target's). ``generate`` has one slot, ``serve`` ``-np``.
-- **working buffers** of the largest step (:func:`gemmaspec.kernels.cuda.work_bytes`: a 256-token
+- **working buffers** of the largest step (:func:`gemmaspec.kernels.memory.work_bytes`: a 256-token
   prefill chunk against the full context, the widest activations, 16 rows of logits, the tile buffer).
 - **runtime**: on the CPU the process before any model (Python, PyTorch, gemmaspec, the kernel
-  library: :data:`CPU_RUNTIME_BYTES`) plus the tokenizer (:data:`TOKENIZER_BYTES_PER_TOKEN` per
-  vocabulary entry); on CUDA the context allowance :data:`~gemmaspec.kernels.cuda.CUDA_CONTEXT_BYTES`.
+  library: :data:`~gemmaspec.kernels.memory.CPU_RUNTIME_BYTES`) plus the tokenizer
+  (:data:`~gemmaspec.kernels.memory.TOKENIZER_BYTES_PER_TOKEN` per vocabulary entry); on CUDA the
+  context allowance :data:`~gemmaspec.kernels.memory.CUDA_CONTEXT_BYTES`
+  (:func:`~gemmaspec.kernels.memory.runtime_bytes`).
 
 ``benchmarks/fit_check.py`` compares the total with the resident memory of real runs.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
-from ..kernels.cuda import CUDA_CONTEXT_BYTES, fmt_bytes, kv_cache_bytes, layout_bytes, work_bytes
-from ..models.footprint import kv_layers, layer_ffn
-
-CPU_RUNTIME_BYTES = 244 << 20
-"""Resident memory of a gemmaspec process before it loads a model: Python, PyTorch 2.13 CPU, gemmaspec
-and its compiled kernel (measured 222 MiB after ``import gemmaspec.loading.engine`` and ``load_library()``,
-RSS after ``malloc_trim``, Linux x86-64, Python 3.11, in a long-lived venv; a fresh ``make`` venv
-with newer libraries held ~42 MiB more at peak: the constant is the midpoint, so both stay within a
-few percent)."""
-TOKENIZER_BYTES_PER_TOKEN = 424
-"""Resident bytes of a loaded tokenizer per vocabulary entry (measured: +106 MiB for the default
-model's 262,144 tokens, the same setting as :data:`CPU_RUNTIME_BYTES`)."""
+from ..kernels.memory import fmt_bytes, kv_cache_bytes, runtime_bytes, tensor_bytes
+from ..models.footprint import kv_layers, step_work_bytes
 
 MAX_ROLLBACK = 16  # engine default
 PREFILL_CHUNK = 256  # engine.PREFILL_CHUNK
-_VIEWED = ("Q4_0", "Q8_0", "Q5_0", "Q4_K", "Q6_K")  # kernels.STORED_TYPES: kept as the file's bytes
-_CONVERTED = {"Q4_1": True, "Q5_1": True, "Q5_K": True}  # → int8 + scales (+ offsets), blocks of 32
-_INT = {"I8": 1, "I16": 2, "I32": 4, "I64": 8, "U8": 1, "BOOL": 1}
 
 
 @dataclass(frozen=True)
@@ -96,26 +85,7 @@ def read_model(path: str | os.PathLike | None) -> ModelInfo:
 
 def weight_bytes(m: ModelInfo, device: str) -> int:
     """Bytes of the model's weights as the loader keeps them on ``device`` ("cpu" or "cuda")."""
-    total = 0
-    for _, qtype, shape, stored in m.tensors:
-        numel = math.prod(shape) if shape else 1
-        if qtype in _INT:
-            total += 8 * numel  # integer tensors become int64
-        elif not m.is_gguf:
-            total += 4 * numel  # checkpoint directories are widened to float32
-        elif qtype == "F32":
-            total += stored
-        elif qtype in ("F16", "BF16") or len(shape) != 2:
-            total += 4 * numel
-        elif device == "cuda":
-            total += layout_bytes(qtype, shape[0], shape[1])
-        elif qtype in _VIEWED:
-            total += stored
-        elif qtype in _CONVERTED:
-            total += numel + (numel // 32) * 4 * (2 if _CONVERTED[qtype] else 1)
-        else:
-            total += 4 * numel
-    return total
+    return sum(tensor_bytes(qtype, shape, stored, device, m.is_gguf) for _, qtype, shape, stored in m.tensors)
 
 
 def kv_bytes_per_slot(m: ModelInfo, ctx: int, dtype_bytes: int = 4) -> int:
@@ -127,12 +97,8 @@ def kv_bytes_per_slot(m: ModelInfo, ctx: int, dtype_bytes: int = 4) -> int:
 
 def buffer_bytes(m: ModelInfo, ctx: int) -> int:
     """Working buffers of the model's largest step at ``ctx`` (see the module docstring)."""
-    c = m.text
-    ffn = max(layer_ffn(c, i) for i in range(c.num_layers)) if hasattr(c, "kv_source") else c.intermediate_size
-    head_dim = max(c.head_dim, getattr(c, "global_head_dim", 0) or 0)
-    extra = c.num_layers * (getattr(c, "hidden_size_per_layer_input", 0) or 0)
     rows = min(PREFILL_CHUNK, ctx) if m.role == "target" else 1
-    return work_bytes(rows, ctx, c.hidden_size, ffn, c.num_heads, head_dim, c.vocab_size, extra)
+    return step_work_bytes(m.config, rows, ctx)
 
 
 def parse_mem(text: str) -> int:
@@ -255,10 +221,10 @@ def estimate(target: ModelInfo, draft: ModelInfo | None = None, ctx: int | None 
         raise InputError(f"-np must be at least 1 (got {slots})")
 
     def at(c: int) -> Estimate:
-        runtime = CUDA_CONTEXT_BYTES if device == "cuda" else (
-            CPU_RUNTIME_BYTES + TOKENIZER_BYTES_PER_TOKEN * target.text.vocab_size)
-        if draft is not None and draft.role == "target" and device != "cuda":
-            runtime += TOKENIZER_BYTES_PER_TOKEN * draft.text.vocab_size  # a draft model loads its tokenizer too
+        vocabs = [target.text.vocab_size]
+        if draft is not None and draft.role == "target":
+            vocabs.append(draft.text.vocab_size)  # a draft model loads its tokenizer too
+        runtime = runtime_bytes(device, *vocabs)
         bufs = max(buffer_bytes(target, c), buffer_bytes(draft, c) if draft is not None else 0)
         return Estimate(device, c, slots, weight_bytes(target, device),
                         weight_bytes(draft, device) if draft is not None else 0, kv_bytes_per_slot(target, c),

@@ -1,6 +1,7 @@
 """What a Gemma 4 target or assistant needs in device memory, from its configuration alone: every
 tensor's shape under its GGUF name, the layers that keep a KV cache, and the bytes of both in the
-device layout of :mod:`gemmaspec.kernels.cuda` (weights block-quantized as stored; float32 KV cache).
+device layout of :mod:`gemmaspec.kernels.cuda` (weights block-quantized as stored; float32 KV cache),
+by the per-tensor arithmetic of :mod:`gemmaspec.kernels.memory`.
 
 Shapes follow transformers' ``modeling_gemma4.py`` (``Gemma4TextDecoderLayer``: double-wide MLP on
 KV-shared layers, no K/V projections there, per-layer-input tensors when
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 
-from ..kernels.cuda import CUDA_CONTEXT_BYTES, DeviceMemory, kv_cache_bytes, layout_bytes, work_bytes
+from ..kernels.memory import CUDA_CONTEXT_BYTES, DeviceMemory, kv_cache_bytes, layout_bytes, work_bytes
 from .config import Gemma3Config, Gemma4AssistantConfig, Gemma4Config
 
 
@@ -102,6 +103,19 @@ def default_types(matrix_type: str) -> Callable[[str, tuple[int, ...]], str]:
     return types
 
 
+def step_work_bytes(config: Gemma3Config | Gemma4Config | Gemma4AssistantConfig, rows: int, context: int) -> int:
+    """Transient bytes of a forward step of ``rows`` tokens against ``context`` keys:
+    :func:`~gemmaspec.kernels.memory.work_bytes` with the model's widths (its widest MLP, largest head
+    dimension, per-layer-input width; an assistant's inner text model)."""
+    c = config.text if isinstance(config, Gemma4AssistantConfig) else config
+    if isinstance(c, Gemma4Config):
+        ffn = max(layer_ffn(c, i) for i in range(c.num_layers))
+        head_dim, extra = max(c.head_dim, c.global_head_dim), c.num_layers * c.hidden_size_per_layer_input
+    else:
+        ffn, head_dim, extra = c.intermediate_size, c.head_dim, 0
+    return work_bytes(rows, context, c.hidden_size, ffn, c.num_heads, head_dim, c.vocab_size, extra)
+
+
 def device_memory(config: Gemma4Config | Gemma4AssistantConfig, context: int,
                   types: str | Mapping[str, str] | Callable[[str, tuple[int, ...]], str] = "Q4_0",
                   tied: bool = True, max_rollback: int = 16, chunk: int = 256, dense: bool = False) -> DeviceMemory:
@@ -129,11 +143,6 @@ def device_memory(config: Gemma4Config | Gemma4AssistantConfig, context: int,
         n, k = math.prod(shape[:-1]), shape[-1]
         qtype = pick(name, shape)
         total += 4 * n * k if dense else layout_bytes(qtype, n, k)
-    c = config.text if isinstance(config, Gemma4AssistantConfig) else config
-    ffn = max(layer_ffn(c, i) for i in range(c.num_layers))
-    head_dim = max(c.head_dim, c.global_head_dim)
-    extra = c.num_layers * c.hidden_size_per_layer_input
     kv = kv_cache_bytes(kv_layers(config), context, max_rollback)
-    rows = chunk if not isinstance(config, Gemma4AssistantConfig) else 1
-    work = work_bytes(rows, context, c.hidden_size, ffn, c.num_heads, head_dim, c.vocab_size, extra)
+    work = step_work_bytes(config, 1 if isinstance(config, Gemma4AssistantConfig) else chunk, context)
     return DeviceMemory(total, kv, work, CUDA_CONTEXT_BYTES)

@@ -1,0 +1,263 @@
+"""The C kernel's build and run-time settings: the compiler and the CPU's features, the instruction
+set chosen (:func:`isa_choice`), the compiled library (:func:`load_library`, :func:`matmul_library`)
+and its weight formats, the kernel's threads (:func:`threads`, :func:`ops_on_one_thread`) and the
+activation mode of its few-row products (:func:`set_act_quant`).
+
+``qmatmul.c`` is compiled once per machine into the gemmaspec cache with the system C compiler
+(``cc``); without one, or with ``GEMMASPEC_NO_KERNELS=1``, :func:`load_library` gives None and every
+weight product falls back to PyTorch (:mod:`gemmaspec.kernels.weights`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from ..paths import cache_home
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("qmatmul.c")
+_threads: int | None = None  # the kernel's thread count inside ops_on_one_thread(); else PyTorch's
+
+
+def threads() -> int:
+    """Threads the C kernel uses: PyTorch's intra-op thread count (``-t`` sets it), or inside
+    :func:`ops_on_one_thread` the count from before it."""
+    return _threads if _threads is not None else torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def ops_on_one_thread():
+    """Within this block PyTorch's own ops run on one thread while the C kernel keeps its threads.
+
+    For steps of few rows (decode, speculative verify, drafting): their PyTorch ops (norms, RoPE,
+    attention over one query row, softmax) take microseconds, less than waking a team of OpenMP threads
+    (a passive OpenMP wake-up made a [1, 4, 100] softmax cost 123 us instead of 11 on this project's
+    2-core machine), while the weight products, which do need every core, run in the kernel's own pool
+    (``pool.h``). Results do not change: PyTorch's CPU ops give the same bits for any thread count on
+    these shapes (each output row is computed by one thread either way)."""
+    global _threads
+    saved, before = _threads, torch.get_num_threads()
+    _threads = threads()
+    if before != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before != 1:
+            torch.set_num_threads(before)
+        _threads = saved
+
+
+ACT_QUANTS = ("none", "q8_0")  # activations of the kernel's products: fp32, or int8 per 32 values
+
+
+def _env_act_quant() -> bool:
+    mode = os.environ.get("GEMMASPEC_ACT_QUANT", "none").strip().lower() or "none"
+    if mode not in ACT_QUANTS:
+        log.warning("gemmaspec: GEMMASPEC_ACT_QUANT=%s is not one of %s; using none", mode, ", ".join(ACT_QUANTS))
+        return False
+    return mode == "q8_0"
+
+
+_act_q8 = _env_act_quant()
+
+
+def set_act_quant(mode: str) -> None:
+    """How the C kernel's few-row products (decode, speculative verify, drafting) treat activations:
+    ``"none"`` (the default) multiplies fp32 activations, bit-identical to the int8-level reference and
+    matching transformers to ~1e-6; ``"q8_0"`` quantizes each row of x to int8 per 32 values (one fp32
+    step per block) and uses integer dot products (AVX-512 VNNI, AVX2, NEON), llama.cpp's CPU scheme:
+    less work per weight, results within the rounding of x (relative ~1e-2 per product) of the fp32
+    ones (``qdot8.h`` documents the arithmetic). Either mode is batch-invariant, so speculative decoding
+    stays lossless within it. Many-row products (prefill) keep fp32 activations. ``GEMMASPEC_ACT_QUANT``
+    sets the initial mode.
+
+    Raises:
+        ValueError: a mode not in :data:`ACT_QUANTS`.
+    """
+    global _act_q8
+    if mode not in ACT_QUANTS:
+        raise ValueError(f"--act-quant {mode!r}: choose one of {', '.join(ACT_QUANTS)}")
+    _act_q8 = mode == "q8_0"
+
+
+def act_quant() -> str:
+    """The current activation mode (see :func:`set_act_quant`)."""
+    return "q8_0" if _act_q8 else "none"
+
+
+_lib = None
+_lib_tried = False
+_lock = threading.Lock()
+
+
+ISAS = ("auto", "avx512", "avx2", "neon", "portable")
+_ISA_FLAGS = {"auto": [], "avx512": [], "avx2": ["-mno-avx512f"], "neon": [], "portable": ["-DGS_PORTABLE"]}
+_ISA_NEEDS = {"avx512": ("avx512f",), "avx2": ("avx2", "fma"), "neon": ("asimd",)}
+
+
+def isa_choice() -> str:
+    """The kernel instruction set asked for with ``GEMMASPEC_ISA`` (``auto``: the best this CPU has;
+    ``avx2`` builds the AVX2+FMA path even on an AVX-512 CPU, to test and measure it; ``neon`` the
+    AArch64 path (the default there); ``portable`` the plain C path). An unknown value, or one this CPU cannot run, falls back to ``auto`` with a
+    warning."""
+    isa = os.environ.get("GEMMASPEC_ISA", "auto").strip().lower() or "auto"
+    if isa not in ISAS:
+        log.warning("gemmaspec: GEMMASPEC_ISA=%s is not one of %s; using auto", isa, ", ".join(ISAS))
+        return "auto"
+    if not cpu_supports(isa):
+        log.warning("gemmaspec: GEMMASPEC_ISA=%s but this CPU lacks %s; using auto", isa, "/".join(_ISA_NEEDS[isa]))
+        return "auto"
+    return isa
+
+
+def cpu_supports(isa: str) -> bool:
+    """Whether this CPU can run kernels built for ``isa`` (from its feature flags; ``auto`` and
+    ``portable`` always)."""
+    flags = set(_cpu_flags().split())
+    return all(f in flags for f in _ISA_NEEDS.get(isa, ()))
+
+
+def _flags(isa: str) -> list[str]:
+    """Compiler flags of the kernel for ``isa``, plus ``GEMMASPEC_CFLAGS`` (split on spaces: extra flags
+    for tuning builds, e.g. ``-DGS_ONE_ROW_FMTS=12``; they are part of the cache key)."""
+    return ["-O3", "-march=native", "-ffp-contract=off", "-pthread", *_ISA_FLAGS[isa],
+            *os.environ.get("GEMMASPEC_CFLAGS", "").split()]
+
+
+def _compile(src: Path, out: Path, isa: str = "auto") -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise OSError("no C compiler (cc or gcc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        cmd = [cc, *_flags(isa), "-shared", "-fPIC", str(src), "-o", str(tmp_so), "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise OSError(f"{' '.join(cmd)} failed: {res.stderr.strip()[:500]}")
+        os.replace(tmp_so, out)  # atomic: a concurrent process sees the whole file or none
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), so a cache shared between machines never runs code built
+    with ``-march=native`` for another processor."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def compiled_library(src: Path, isa: str = "auto"):
+    """``src`` (a C file beside this module) compiled into the gemmaspec cache and loaded as a
+    ``ctypes.CDLL``, or None when it cannot be had (no compiler, a broken build,
+    ``GEMMASPEC_NO_KERNELS=1``). Compiles on first use (about 1 s) into ``<cache>/kernels/``; the file
+    name holds a hash of the source, the compiler flags, the machine and its CPU flags, so a change of
+    any of them rebuilds it."""
+    if os.environ.get("GEMMASPEC_NO_KERNELS") == "1":
+        return None
+    headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # what the source includes
+    key = hashlib.sha256(
+        src.read_bytes() + headers + f"|{' '.join(_flags(isa))}|{os.uname().machine}|{_cpu_flags()}".encode()
+    ).hexdigest()[:16]
+    so = cache_home() / "kernels" / f"{src.stem}-{key}.so"
+    try:
+        if not so.exists():
+            if sys.stderr.isatty():
+                print(f"gemmaspec: compiling the C kernel {src.name} for this CPU (once per machine, 10-30 s)",
+                      file=sys.stderr, flush=True)
+            _compile(src, so, isa)
+        return ctypes.CDLL(str(so))
+    except OSError as exc:  # no compiler, or a broken build: the caller falls back
+        log.warning("gemmaspec: C kernel %s unavailable (%s); using the slower fallback", src.name, exc)
+        return None
+
+
+def load_library():
+    """The compiled matmul kernel library (``qmatmul.c``), or None when it cannot be had
+    (see :func:`compiled_library`)."""
+    global _lib, _lib_tried
+    if _lib_tried:
+        return _lib
+    with _lock:
+        if _lib_tried:
+            return _lib
+        _lib_tried = True
+        _lib = matmul_library(isa_choice())
+        return _lib
+
+
+def matmul_library(isa: str = "auto"):
+    """``qmatmul.c`` built for ``isa`` (see :data:`ISAS`) with its functions' signatures set, or None
+    (see :func:`compiled_library`). ``lib.gs_isa()`` says which path was compiled in."""
+    lib = compiled_library(_SRC, isa)
+    if lib is None:
+        return None
+    P, I = ctypes.c_void_p, ctypes.c_int
+    sigs = {
+        "gs_qmatmul": [P, P, P, I, I, I, P, P, I, P, I],
+        "gs_qmatmul_multi": [I, P, P, P, P, P, P, I, P, P, I, P, I],
+        "gs_qmatmul_multi_q8": [I, P, P, P, P, P, P, I, P, P, I, P, I],
+        "gs_quantize_act": [P, I, I, P, P],
+        "gs_qmatmul_stored": [I, P, I, I, P, P, I, P, I],
+        "gs_dequant_rows": [I, P, P, P, I, I, I, I, P, I],
+        "gs_dequant_ids": [I, P, P, P, I, P, I, I, P],
+        "gs_block_sums": [P, I, I, I, P],
+        "gs_rms_norm": [P, P, I, I, ctypes.c_float, P],
+        "gs_norm_rope": [P, ctypes.c_long, I, I, I, P, I, P, P, P, ctypes.c_float, P],
+        "gs_gelu_mul": [P, ctypes.c_long, I, I, P],
+        "gs_add_rms_norm": [P, P, I, I, ctypes.c_float, P, P],
+    }
+    for name, args in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    lib.gs_attention.argtypes = [P, ctypes.c_long, I, I, I, I, P, P, I, P, ctypes.c_float, ctypes.c_float, P]
+    lib.gs_attention.restype = I
+    lib.gs_decode_layers.argtypes = [I, P, P, P, P, I, I, I, I, I, I, ctypes.c_float, ctypes.c_float, I, I, I]
+    lib.gs_decode_layers.restype = I
+    lib.gs_assistant_step.argtypes = [I, P, P, P, P, P, I, I, I, I, I, ctypes.c_float, P, P, P, I, P, P, P, I, I]
+    lib.gs_assistant_step.restype = I
+    lib.gs_repack_x8.argtypes = [I, P, ctypes.c_long, I, P, I]
+    lib.gs_repack_x8.restype = I
+    lib.gs_repack_r8.argtypes = [I, P, ctypes.c_long, I, P, I]
+    lib.gs_repack_r8.restype = I
+    lib.gs_isa.argtypes = []
+    lib.gs_isa.restype = ctypes.c_char_p
+    return lib
+
+
+def kernel_isa() -> str:
+    """The instruction-set path of the loaded kernel (``avx512``, ``avx2``, ``neon``, ``portable``), or ``none``
+    when no kernel could be built (dense PyTorch fallback)."""
+    lib = load_library()
+    return lib.gs_isa().decode() if lib is not None else "none"
+
+
+
+# Weight formats of qmatmul.c (FMT_*): the int8 form, and GGML block types kept as stored.
+FMT_I8 = 0
+STORED_TYPES = ("Q4_0", "Q8_0", "Q5_0", "Q4_K", "Q6_K")  # GGML types StoredWeight keeps as stored
+_FMT = {"Q4_0": 1, "Q8_0": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
+# Q4_0 and Q8_0 repacked 8 rows at a time for the int8-activation products (x8.h)
+FMT_Q4_0X8, FMT_Q8_0X8 = 6, 7
+_X8 = {"Q4_0": FMT_Q4_0X8, "Q8_0": FMT_Q8_0X8}
+# ... and regrouped 8 rows at a time for the fp32-activation products (r8.h)
+FMT_Q4_0R8, FMT_Q8_0R8 = 8, 9
+_R8 = {"Q4_0": FMT_Q4_0R8, "Q8_0": FMT_Q8_0R8}
+_R8_ISAS = ("avx512", "avx2")  # kernel paths that read the regrouped layout in place
