@@ -1,4 +1,4 @@
-"""Seeds as llama.cpp reads them (kept free of torch: the command line parses ``--seed`` with it)."""
+"""Seeds as llama.cpp reads them (kept free of torch: the command line reads ``--seed`` with it)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,3 @@ def llama_seed(seed: int) -> int:
     """
     s = int(seed) % (1 << 32)
     return -1 if s == SEED_RANDOM else s
-
-
-def seed_arg(text: str) -> int:
-    """``--seed``'s argparse type: any integer, read with :func:`llama_seed`."""
-    return llama_seed(int(text))
-
-
-seed_arg.__name__ = "seed"  # argparse's "invalid seed value: 'x'"

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from ..errors import InputError
-from ..seeds import seed_arg
+from ..seeds import llama_seed
 from ..speculative.config import SpecConfig
 from ..speculative.options import SPEC_TYPES, parse_spec_type
 
@@ -33,6 +33,15 @@ LLAMA_FLAGS_REFUSED = {
     ("-r", "--reverse-prompt"): "use --stop STR (repeatable) to end generation at a string",
 }
 """llama.cpp flags refused by name, each with a one-line hint (an error, exit status 2)."""
+
+
+def seed_arg(text: str) -> int:
+    """``--seed``'s argparse type: any integer, read as llama.cpp reads it
+    (:func:`~gemmaspec.seeds.llama_seed`: wrapped to 32 bits, -1 random)."""
+    return llama_seed(int(text))
+
+
+seed_arg.__name__ = "seed"  # argparse's "invalid seed value: 'x'"
 
 
 class Parser(argparse.ArgumentParser):

@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError, ModelFileError
-from ..seeds import seed_arg
-from .args import add_common, add_spec, memory_estimate, refuse, sampling_params, spec_plan
+from .args import add_common, add_spec, memory_estimate, refuse, sampling_params, seed_arg, spec_plan
 
 LLAMA_FLAGS_REFUSED_SERVE = {
     ("-cb", "--cont-batching", "-nocb", "--no-cont-batching"): "the -np slots are always batched together",
