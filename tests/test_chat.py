@@ -23,7 +23,15 @@ def test_exit_command_leaves_before_later_lines(model_path):
                   stdin="Hi\n/exit\nThis line is never answered\n")
     assert res.returncode == 0, res.stderr
     assert sum(ln.startswith("prompt ") for ln in res.stderr.splitlines()) == 1, res.stderr
-    assert "draft acceptance" not in res.stderr  # no speculation asked for
+    # no --spec-type: the default speculation, said once at the start and measured per reply
+    assert res.stderr.startswith("speculation: ngram-simple,draft-mtp") and "draft acceptance" in res.stderr
+
+
+def test_spec_type_none_turns_speculation_off(model_path):
+    res = run_cli("chat", "-m", str(model_path), "--temp", "0", "-n", "4", "--ignore-eos", "--spec-type", "none",
+                  stdin="Hi\n")
+    assert res.returncode == 0, res.stderr
+    assert "speculation: off" in res.stderr and "draft acceptance" not in res.stderr
 
 
 def test_generate_cnv_points_to_chat(model_path):
