@@ -20,7 +20,7 @@ define DEMO_PROMPT
 endef
 PROMPT ?= $(DEMO_PROMPT)
 export PROMPT
-SPEC   ?= --spec-type default --spec-draft-n-max 3
+SPEC   ?=
 TEMP   ?= 0
 ARGS   ?= -n 128
 
