@@ -32,6 +32,7 @@ router = APIRouter()
 
 @router.get("/", include_in_schema=False)
 async def index(st: ServerState = Depends(server_state)):
+    """The chat page (``static/index.html``); 404 with ``--no-ui``."""
     if not st.cfg.ui:
         raise APIError(404, "the web UI is disabled (--no-ui)")
     return HTMLResponse(resources.files("gemmaspec.server").joinpath("static/index.html").read_text("utf-8"))
@@ -40,11 +41,13 @@ async def index(st: ServerState = Depends(server_state)):
 @router.get("/health")
 @router.get("/v1/health")
 async def health(st: ServerState = Depends(loaded)):
+    """``{"status": "ok"}`` once the model has loaded (503 before, as llama-server)."""
     return {"status": "ok"}
 
 
 @router.get("/props")
 async def props(st: ServerState = Depends(loaded)):
+    """llama-server's server properties: default generation settings, slots, model, template, speculation."""
     e, m, cfg = st.engine, st.model, st.cfg
     return {
         "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": e.ctx_size,
@@ -62,6 +65,7 @@ async def props(st: ServerState = Depends(loaded)):
 
 @router.get("/slots")
 async def slots(request: Request, st: ServerState = Depends(loaded)):
+    """llama-server's slot list; 501 with ``--no-slots``, 503 with ``?fail_on_no_slot=1`` when all are busy."""
     if not st.cfg.slots_endpoint:
         raise APIError(501, "This server does not support slots endpoint (started with --no-slots)",
                        "not_supported_error")
@@ -74,6 +78,8 @@ async def slots(request: Request, st: ServerState = Depends(loaded)):
 
 @router.post("/slots/{id_slot}")
 async def slot_action(id_slot: str, request: Request, st: ServerState = Depends(server_state)):
+    """``?action=save|restore|erase`` on slot ``id_slot`` (files in ``--slot-save-path``; 501 without it,
+    400 for a bad slot, action or file name, 503 while loading)."""
     cfg = st.cfg
     if not cfg.slot_save_path:
         raise APIError(501, "This server does not support slots action: start it with --slot-save-path DIR",
@@ -103,6 +109,7 @@ async def slot_action(id_slot: str, request: Request, st: ServerState = Depends(
 
 @router.get("/metrics")
 async def prometheus(st: ServerState = Depends(server_state)):
+    """Prometheus metrics (501 with ``--no-metrics``), with llama-server's ``Process-Start-Time-Unix``."""
     if not st.cfg.metrics_endpoint:
         raise APIError(501, "This server does not support metrics endpoint (started with --no-metrics)",
                        "not_supported_error")
@@ -116,6 +123,7 @@ async def prometheus(st: ServerState = Depends(server_state)):
 # -- tokens and templates --------------------------------------------------------------------------------
 @router.post("/tokenize")
 async def tokenize(request: Request, st: ServerState = Depends(loaded)):
+    """Text → token ids (``with_pieces``: with their text), as llama-server's ``/tokenize``."""
     body = await json_body(request)
     content = body.get("content")
     if not isinstance(content, str):
@@ -135,6 +143,7 @@ async def tokenize(request: Request, st: ServerState = Depends(loaded)):
 
 @router.post("/detokenize")
 async def detokenize(request: Request, st: ServerState = Depends(loaded)):
+    """Token ids → text; 400 for ids that are not in the vocabulary."""
     body = await json_body(request)
     ids = body.get("tokens", [])
     vocab = st.engine.tokenizer.vocab_size
@@ -148,6 +157,7 @@ async def detokenize(request: Request, st: ServerState = Depends(loaded)):
 
 @router.post("/apply-template")
 async def apply_template(request: Request, st: ServerState = Depends(loaded)):
+    """A chat request's prompt as the chat template renders it, without generating."""
     body = await json_body(request)
     req = validate(ChatRequest, body)
     messages = chat_prompt(req, parse_tools(body))
@@ -163,6 +173,8 @@ async def apply_template(request: Request, st: ServerState = Depends(loaded)):
 @router.post("/completion")
 @router.post("/completions")
 async def native_completion(request: Request, st: ServerState = Depends(loaded)):
+    """llama-server's ``/completion``: one prompt, or several (an array of results, or one stream
+    whose events carry their prompt's ``index``)."""
     body = await json_body(request)
     refuse_unsupported(body, native=True)
     req = validate(NativeCompletionRequest, body)

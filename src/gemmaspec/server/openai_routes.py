@@ -44,6 +44,7 @@ def verbose_formatter(st: ServerState, req, params: SamplingParams, ids: list[in
 @router.get("/v1/models")
 @router.get("/models")
 async def models(st: ServerState = Depends(loaded)):
+    """The one model served, as OpenAI lists models (with llama-server's ``aliases``, ``tags``, ``meta``)."""
     e = st.engine
     return {"object": "list", "data": [{
         "id": st.model.model_id, "object": "model", "created": st.model.created, "owned_by": "gemmaspec",
@@ -65,6 +66,7 @@ async def chat_input_tokens(request: Request, st: ServerState = Depends(loaded))
 
 @router.post("/v1/completions")
 async def completions(request: Request, st: ServerState = Depends(loaded)):
+    """OpenAI's text completions: ``n`` choices of one or several prompts, whole or streamed."""
     body = await json_body(request)
     refuse_unsupported(body)
     req = validate(CompletionRequest, body)
@@ -111,6 +113,7 @@ def _top_logprobs(req: ChatRequest) -> int | None:
 @router.post("/v1/chat/completions")
 @router.post("/chat/completions")
 async def chat(request: Request, st: ServerState = Depends(loaded)):
+    """OpenAI's chat completions, with tools, constrained output and ``n`` choices, whole or streamed."""
     body = await json_body(request)
     refuse_unsupported(body, chat=True)
     req = validate(ChatRequest, body)

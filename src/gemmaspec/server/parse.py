@@ -31,6 +31,9 @@ MAX_JSON_DEPTH = 64
 
 
 class GenerationRequest(BaseModel):
+    """The fields every generation endpoint takes (OpenAI's and llama-server's); other fields are
+    kept (``model_extra``: ``speculative.n_max`` and the like) and checked against :data:`UNSUPPORTED`."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
@@ -61,6 +64,8 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
+    """OpenAI's ``POST /v1/completions``."""
+
     prompt: str | list[int] | list[str] | list[list[int]]  # OpenAI's four forms
     logprobs: int | None = None
 
@@ -77,6 +82,9 @@ class NativeCompletionRequest(GenerationRequest):
 
 
 class ChatMessage(BaseModel):
+    """One chat message; ``content`` text or content parts (checked in
+    :func:`~gemmaspec.server.translate.chat_messages`), extra fields (``tool_calls``...) kept."""
+
     model_config = ConfigDict(extra="allow")
 
     role: str
@@ -84,6 +92,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(GenerationRequest):
+    """OpenAI's ``POST /v1/chat/completions`` (with llama-server's and vLLM's template fields)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -139,6 +139,7 @@ class Formatter:
         return out
 
     def chunk(self, delta: dict | str, finish: str | None, logprobs=None, **extra) -> dict:
+        """One streamed chunk of this choice: ``delta`` (chat) or text (completions), ``extra`` fields added."""
         if self.kind == "chat":
             choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = "chat.completion.chunk"
@@ -152,6 +153,8 @@ class Formatter:
         return self.chunk({"role": "assistant", "content": None}, None)
 
     def event_chunk(self, ev, job: Job | None = None) -> dict:
+        """The streamed chunk of one engine event (its text and log-probabilities; ``timings`` so far
+        with ``timings_per_token``)."""
         lp = self._lp([ev]) if ev.tokens else None
         self.offset += len(ev.text)
         self.text.append(ev.text)
@@ -204,6 +207,7 @@ class Formatter:
         return out
 
     def whole(self, events, job: Job) -> dict:
+        """The whole (not streamed) response of a finished job: its text or tool calls, ``usage``, ``timings``."""
         text = "".join(e.text for e in events)
         finish = FINISH.get(job.stats.stop_reason, "stop")
         lp = self._lp(events)
@@ -256,6 +260,7 @@ class NativeFormatter:
         return out
 
     def event_chunk(self, ev, job: Job) -> dict:
+        """The streamed event of one engine event: its text and tokens (and probabilities with ``n_probs``)."""
         out = {"index": 0, "content": ev.text, "tokens": list(ev.tokens), "stop": False, "id_slot": job.slot,
                "tokens_predicted": job.stats.generated_tokens, "tokens_evaluated": job.stats.prompt_tokens}
         self.n_sent += len(ev.tokens)
@@ -275,6 +280,8 @@ class NativeFormatter:
         return out
 
     def final(self, events, job: Job, content: str | None = None, tokens=None) -> dict:
+        """The result of a finished job (the whole response, or the stream's last event with
+        ``content=""`` and ``tokens=[]``); only ``response_fields`` when the request named some."""
         st = job.stats
         tokens = [t for e in events for t in e.tokens] if tokens is None else tokens
         out = {"index": 0, "content": "".join(e.text for e in events) if content is None else content,
