@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from conftest import ServerProcess
-from gemmaspec.server.schema import APIError
+from gemmaspec.server.apierror import APIError
 from gemmaspec.server.tools import TOOL_RESULT_HEADER, parse_reply, parse_tools, render_history, tools_prompt
 
 WEATHER = {"type": "function", "function": {

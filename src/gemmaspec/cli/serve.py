@@ -171,7 +171,6 @@ def serve(args) -> int:
     # on CUDA, not resident memory on the CPU)
     est = memory_estimate(args, drafter_plan, args.parallel, args.parallel + (1 if args.device == "cuda" else 0))
     defaults = sampling_params(args, server=True)
-    spec = drafter_plan.spec
     slot_dir = None
     if args.slot_save_path:
         slot_dir = Path(args.slot_save_path)
@@ -191,9 +190,7 @@ def serve(args) -> int:
         raise InputError(f"--allowed-hosts takes host names as a Host header carries them (box.example or "
                          f"box.example:8085), not {bad[0]!r}")
     hosts = tuple(n for b in binds for n in host_names(b, split(args.allowed_hosts)))  # IPs, localhost pass
-    cfg = ServeConfig(model=args.model, draft_model=spec.draft_model, spec_type=spec.type, n_max=spec.n_max,
-                      n_min=spec.n_min, p_min=spec.p_min, ngram_size=spec.ngram_size,
-                      ngram_min=spec.ngram_min, ctx_size=args.ctx_size, n_slots=args.parallel,
+    cfg = ServeConfig(model=args.model, spec=drafter_plan.spec, ctx_size=args.ctx_size, n_slots=args.parallel,
                       device=args.device, threads=args.threads, api_key=args.api_key, alias=args.alias,
                       defaults=defaults, n_predict=args.n_predict, allowed_hosts=hosts,
                       cors_origins=tuple(normalize_origin(o) for o in split(args.cors_origin)), slot_save_path=slot_dir, verbose=args.verbose,
