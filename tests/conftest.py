@@ -10,6 +10,15 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="session", autouse=True)
+def library_notes_on_stderr():
+    """The library's notes (tokenizer cache, kernel compile) on stderr, as the ``gemmaspec`` command
+    shows them, for tests that call the library in this process."""
+    from gemmaspec.cli.args import setup_logging
+
+    setup_logging()
+
+
 @pytest.fixture(scope="session")
 def model_path():
     from gemmaspec.manage.default_model import default_model_path

@@ -17,7 +17,7 @@ import sys
 
 from ..errors import GemmaspecError
 from . import bench, chat, export, files, generate, models, serve, train
-from .args import Parser, check_common
+from .args import Parser, check_common, setup_logging
 
 
 def _version() -> str:
@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     if extra:  # name the subcommand in the error, as for every other bad flag of it
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    setup_logging()
     try:
         check_common(args)
         return COMMANDS[args.command](args)

@@ -10,6 +10,7 @@ hint (:data:`LLAMA_FLAGS_REFUSED`); ``-ngl`` is accepted and explained.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from ..errors import InputError
@@ -254,3 +255,31 @@ def memory_estimate(args, drafter_plan, slots: int = 1, caches: int | None = Non
     from ..manage.fit import check_memory
 
     return check_memory(args.model, drafter_plan.draft_file, args.ctx_size, args.device, slots, caches)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is when a record is emitted (so captured or
+    redirected stderr gets the library's notes)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def setup_logging(timestamps: bool = False) -> None:
+    """The library's notes (``gemmaspec`` loggers: tokenizer cache, kernel compile, the server's log)
+    on stderr at INFO: as plain lines for the commands, with the time for ``serve``. Called once per
+    command; a second call only changes the format."""
+    logger = logging.getLogger("gemmaspec")
+    handler = next((h for h in logger.handlers if isinstance(h, _StderrHandler)), None)
+    if handler is None:
+        handler = _StderrHandler()
+        logger.addHandler(handler)
+    fmt = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S") if timestamps \
+        else logging.Formatter("%(message)s")
+    handler.setFormatter(fmt)
+    logger.setLevel(logging.INFO)

@@ -8,14 +8,13 @@ load ends the server with ``error: ...`` and exit status 1.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import sys
 from pathlib import Path
 
 from ..errors import InputError, ModelFileError
-from .args import add_common, add_spec, memory_estimate, refuse, sampling_params, seed_arg, spec_plan
+from .args import add_common, add_spec, memory_estimate, refuse, sampling_params, seed_arg, setup_logging, spec_plan
 
 LLAMA_FLAGS_REFUSED_SERVE = {
     ("-cb", "--cont-batching", "-nocb", "--no-cont-batching"): "the -np slots are always batched together",
@@ -196,7 +195,7 @@ def serve(args) -> int:
                       cors_origins=tuple(normalize_origin(o) for o in split(args.cors_origin)), slot_save_path=slot_dir, verbose=args.verbose,
                       slots_endpoint=args.slots_endpoint, metrics_endpoint=args.metrics, ui=args.ui, tags=split([args.tags or ""]),
                       chat_template=chat_template_of(args), context_shift=args.context_shift, n_keep=args.keep)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+    setup_logging(timestamps=True)
     socks: list[socket.socket] = []
     port = args.port
     for bind in binds:  # the first fixes the port (--port 0: a free one), the others share it

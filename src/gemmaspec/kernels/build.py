@@ -180,8 +180,7 @@ def compiled_library(src: Path, isa: str = "auto"):
     try:
         if not so.exists():
             if sys.stderr.isatty():
-                print(f"gemmaspec: compiling the C kernel {src.name} for this CPU (once per machine, 10-30 s)",
-                      file=sys.stderr, flush=True)
+                log.info("gemmaspec: compiling the C kernel %s for this CPU (once per machine, 10-30 s)", src.name)
             _compile(src, so, isa)
         return ctypes.CDLL(str(so))
     except OSError as exc:  # no compiler, or a broken build: the caller falls back

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -33,6 +33,8 @@ from ..errors import ModelFileError
 from ..paths import cache_home
 from ..tokenizer import GemmaTokenizer
 from .gguf_header import GGUFHeader
+
+log = logging.getLogger(__name__)
 
 CACHE_VERSION = 3  # bump when what is saved, or how it is built, changes
 
@@ -61,8 +63,8 @@ def _load(entry: Path, header: GGUFHeader) -> GemmaTokenizer | None:
             raise ValueError(f"{tok.vocab_size} tokens cached, the file has {n}")
         return tok
     except Exception as exc:  # anything wrong with an entry means: build it again
-        print(f"gemmaspec: the cached tokenizer in {entry} does not load ({type(exc).__name__}); rebuilding it",
-              file=sys.stderr)
+        log.warning("gemmaspec: the cached tokenizer in %s does not load (%s); rebuilding it", entry,
+                    type(exc).__name__)
         shutil.rmtree(entry, ignore_errors=True)
         return None
 
@@ -81,8 +83,8 @@ def _save(entry: Path, tok: GemmaTokenizer, header: GGUFHeader) -> None:
         except OSError:  # another process saved it first
             pass
     except OSError as exc:
-        print(f"gemmaspec: could not save the tokenizer in {entry.parent} ({exc.strerror}); "
-              "it will be built again next time", file=sys.stderr)
+        log.warning("gemmaspec: could not save the tokenizer in %s (%s); it will be built again next time",
+                    entry.parent, exc.strerror)
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -91,7 +93,7 @@ def _save(entry: Path, tok: GemmaTokenizer, header: GGUFHeader) -> None:
 def gguf_tokenizer(header: GGUFHeader, use_cache: bool = True) -> GemmaTokenizer:
     """The tokenizer of a target GGUF: from the cache, or built (and, with ``use_cache``, saved).
 
-    A build says so on stderr (one line), since it takes seconds.
+    A build says so in the log (``gemmaspec`` logger, INFO; one line), since it takes seconds.
 
     Raises:
         ModelFileError: the file has no vocabulary, or it cannot be converted.
@@ -103,18 +105,18 @@ def gguf_tokenizer(header: GGUFHeader, use_cache: bool = True) -> GemmaTokenizer
         try:
             entry = tokenizer_dir(header)
         except OSError as exc:  # the cache directory cannot be created
-            print(f"gemmaspec: no tokenizer cache ({exc}); building the tokenizer (a few seconds)", file=sys.stderr)
+            log.warning("gemmaspec: no tokenizer cache (%s); building the tokenizer (a few seconds)", exc)
     if entry is not None:
         tok = _load(entry, header)
         if tok is not None:
             return tok
-        print(f"gemmaspec: building the tokenizer of {header.path.name} (first use of this vocabulary, a few "
-              f"seconds); later starts reuse it from {entry.parent}", file=sys.stderr)
+        log.info("gemmaspec: building the tokenizer of %s (first use of this vocabulary, a few seconds); later "
+                 "starts reuse it from %s", header.path.name, entry.parent)
     tok = GemmaTokenizer.from_gguf(header.path, header.get("tokenizer.chat_template"))
     why = tok.add_fast_path()
     if why is not None:
-        print(f"gemmaspec: this vocabulary has no fast tokenizer ({why}); each start loads it with "
-              "tokenizers (~2 s)", file=sys.stderr)
+        log.warning("gemmaspec: this vocabulary has no fast tokenizer (%s); each start loads it with tokenizers "
+                    "(~2 s)", why)
     if entry is not None:
         _save(entry, tok, header)
     return tok

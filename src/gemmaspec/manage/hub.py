@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import logging
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError, ModelFileError
 from . import catalog
 from .catalog import Entry
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DIR_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -339,8 +341,8 @@ def pull(spec: str, revision: str | None = None, sha256: str | None = None,
             raise InputError(f"{entry.name} has no assistant available"
                              + (f": {partner.note}" if partner is not None else ""))
         if not partner.repo and partner.hf_equivalent:
-            print(f"note: {partner.name} has no recorded repository; pulling {partner.hf_equivalent} (the same "
-                  "assistant as a checkpoint directory) instead", file=sys.stderr)
+            log.info("note: %s has no recorded repository; pulling %s (the same assistant as a checkpoint "
+                     "directory) instead", partner.name, partner.hf_equivalent)
             partner = catalog.get(partner.hf_equivalent)
         out.append(_pull_entry(partner, None, None, s))
     return out
