@@ -21,6 +21,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from .errors import InputError
+from .models.base import PREFILL_CHUNK
 from .sampling import Sampler, SamplingParams, ban_end_of_generation, filtered_probs
 from .speculative.adaptive import AdaptiveDraftLength
 from .speculative.drafters import DraftContext, Drafter, NoDrafter
@@ -28,8 +29,6 @@ from .speculative.stats import SpecStats
 from .speculative.verify import verify_round
 from .streaming import StopChecker
 from .tokenizer import GemmaTokenizer
-
-PREFILL_CHUNK = 256  # prompt tokens per forward
 
 
 @dataclass
