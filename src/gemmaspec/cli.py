@@ -349,14 +349,13 @@ def _cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     engine, drafter, n_max, load_s = _load(args)
     ids = engine.encode_prompt(prompt, chat=args.chat, system=args.system_prompt)
-    engine.context_shift = args.context_shift
     if not args.context_shift:
         engine.check_prompt(ids)
     _print_memory(args)
     stats = RequestStats()
     out = sys.stdout
     for ev in engine.generate(ids, params, drafter=drafter, n_max=n_max, n_min=args.spec_draft_n_min, stats=stats,
-                              n_keep=args.keep):
+                              context_shift=args.context_shift, n_keep=args.keep):
         out.write(ev.text)
         out.flush()
     out.write("\n")

@@ -81,9 +81,7 @@ def _load_engine(path, ctx_size, device, threads) -> Engine:
         raise InputError(f"-c {ctx} exceeds the model's context of {loaded.config.context_length} tokens")
     if ctx < 2:
         raise InputError(f"-c must be at least 2 (got {ctx})")
-    engine = Engine(loaded.model, loaded.tokenizer, ctx)
-    engine.model_path = loaded.path  # what the shipped-assistant lookup matches
-    return engine
+    return Engine(loaded.model, loaded.tokenizer, ctx, model_path=loaded.path)
 
 
 def load_drafter(spec_type: str | None, engine: Engine, draft_model: str | None = None, p_min: float | None = None,

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from ..errors import GemmaspecError
+from ..request import RequestOptions
 from ..sampling import SamplingParams, ban_end_of_generation
 from ..seeds import SEED_RANDOM
 from ..streaming import stop_matcher
@@ -153,7 +154,6 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         t0 = time.perf_counter()
         path = Path(cfg.model) if cfg.model else default_model_path()
         engine = load_engine(path, ctx_size=cfg.ctx_size, device=cfg.device, threads=cfg.threads)
-        engine.context_shift = cfg.context_shift
         if cfg.chat_template is not None:
             engine.tokenizer.chat_template = cfg.chat_template
         spec, make = drafter_factory(cfg.spec_type, engine, cfg.draft_model, cfg.p_min, cfg.ngram_size,
@@ -262,12 +262,13 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
         """A slot's llama-server fields: the running request's (``job``), or the last one's
         parameters with an idle ``next_token`` (nothing remains, nothing decoded)."""
         st = job.stats if job else None
-        p = job.params if job else None
+        left = job.options.tokens_left(st.generated_tokens) if job else None
         task = job or last
+        o = task.options
         return {"id_task": task.id_task, "speculative": info["spec_type"] != "none",
-                "params": settings(task.params, task.n_max, task.n_min, task.p_min),
+                "params": settings(o.params, o.n_max, o.n_min, o.p_min),
                 "next_token": [{"has_next_token": job is not None, "has_new_line": False,  # a list, as llama-server's
-                                "n_remain": -1 if p is None or p.max_tokens == -1 else p.max_tokens - st.generated_tokens,
+                                "n_remain": -1 if left is None else left,
                                 "n_decoded": st.generated_tokens if st else 0}]}
 
     @app.get("/props")
@@ -650,11 +651,12 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 pass
 
         name = getattr(fmt, "id", None) or f"cmpl-{uuid.uuid4().hex[:24]}"
-        job = Job(ids, params, emit, n_max, n_min, logprobs, p_min=p_min, name=name, endpoint=kind, want_slot=want_slot,
-                  cache_prompt=req.cache_prompt, constraint=constraint,
-                  post_sampling=bool(getattr(req, "post_sampling_probs", False)),
-                  progress=req.return_progress and req.stream,
-                  n_keep=cfg.n_keep if req.n_keep is None else req.n_keep, n_discard=req.n_discard, group=group)
+        options = RequestOptions(params, n_max, n_min, p_min, logprobs, constraint=constraint,
+                                 post_sampling=bool(getattr(req, "post_sampling_probs", False)),
+                                 context_shift=cfg.context_shift,
+                                 n_keep=cfg.n_keep if req.n_keep is None else req.n_keep, n_discard=req.n_discard)
+        job = Job(ids, options, emit, name=name, endpoint=kind, want_slot=want_slot, cache_prompt=req.cache_prompt,
+                  progress=req.return_progress and req.stream, group=group)
         try:
             scheduler.submit(job)
         except RuntimeError as exc:
