@@ -165,7 +165,6 @@ class RequestState:
                  drafter: Drafter | None = None, stats: RequestStats | None = None, cache=None):
         options.validate(engine.max_rollback)
         self.options = options
-        self.shift = options.context_shift
         bos = engine.tokenizer.bos_id
         lead = 1 if prompt_ids and prompt_ids[0] == bos else 0
         keep = len(prompt_ids) if options.n_keep == -1 else options.n_keep + lead
@@ -174,7 +173,7 @@ class RequestState:
         self.n_keep, self.n_discard = max(lead, min(keep, engine.ctx_size // 2)), options.n_discard
         self.shifted = 0  # tokens dropped by context shifts so far (positions for seeded draws stay absolute)
         truncated = False
-        if self.shift and prompt_ids and len(prompt_ids) >= engine.ctx_size:
+        if self.options.context_shift and prompt_ids and len(prompt_ids) >= engine.ctx_size:
             prompt_ids, truncated = self._cut_prompt(list(prompt_ids), engine.ctx_size), True
         engine.check_prompt(prompt_ids)
         constraint, params = options.constraint, options.params
@@ -186,8 +185,7 @@ class RequestState:
         if cache is not None and cache.capacity < engine.ctx_size:
             raise ValueError(f"a cache of {cache.capacity} positions cannot hold the context of {engine.ctx_size}")
         self.engine, self.model, self.ctx_size = engine, engine.model, engine.ctx_size
-        self.params, self.n_max, self.n_min, self.logprobs = params, options.n_max, options.n_min, options.logprobs
-        self.post_sampling = options.post_sampling
+        self.params = params  # the options' sampling parameters, with ignore_eos's bans
         self.cache = cache if cache is not None else engine.model.new_cache(engine.ctx_size, engine.max_rollback)
         self.drafter = drafter or NoDrafter()
         self.drafter.reset()
@@ -274,13 +272,13 @@ class RequestState:
         left = self.options.tokens_left(self.stats.generated_tokens)
         remaining = room if left is None else left
         t_round = time.perf_counter()
-        k = max(0, min(self.controller.choose() if self.controller else self.n_max, room - 1, remaining - 1))
+        k = max(0, min(self.controller.choose() if self.controller else self.options.n_max, room - 1, remaining - 1))
         draft = self.drafter.propose(DraftContext(self.tokens, self.hidden), k) if k > 0 else None
         t_drafted = time.perf_counter()
         drafts = list(draft.tokens[:k]) if draft else []
         if self.constraint is not None and drafts:  # a draft token the grammar forbids ends the draft
             drafts = drafts[:self.constraint.valid_prefix(drafts)]
-        if len(drafts) < max(self.n_min, 1):
+        if len(drafts) < max(self.options.n_min, 1):
             drafts = []
         self._round = RoundInFlight(start, drafts, draft.dists if draft else None, draft.source if draft else "",
                                     t_round, t_drafted)
@@ -364,7 +362,7 @@ class RequestState:
 
     def _check_context(self) -> None:
         if not self.stop.reason and len(self.tokens) >= self.ctx_size:
-            if self.shift and self._shift_context():
+            if self.options.context_shift and self._shift_context():
                 return
             self.stop.reason = "context"
 
@@ -404,18 +402,19 @@ class RequestState:
         self.done = True
 
     def _logprobs(self, logits: torch.Tensor, tokens: list[int], history=()):
-        if self.logprobs is None:
+        k = self.options.logprobs
+        if k is None:
             return None
-        if self.post_sampling:  # the distribution the token was drawn from (history: the ids before it)
+        if self.options.post_sampling:  # the distribution the token was drawn from (history: the ids before it)
             ids, probs = filtered_probs(logits, self.params, history)
             ids, probs = ids.tolist(), probs.tolist()
             at = dict(zip(ids, probs))
-            top = [(i, p) for i, p in zip(ids[:self.logprobs], probs[:self.logprobs]) if p > 0]
+            top = [(i, p) for i, p in zip(ids[:k], probs[:k]) if p > 0]
             return [TokenLogprob(t, at.get(t, 0.0), top, probs=True) for t in tokens]
         lp = torch.log_softmax(logits.float(), -1)
         top = []
-        if self.logprobs > 0:
-            vals, ids = torch.topk(lp, self.logprobs)
+        if k > 0:
+            vals, ids = torch.topk(lp, k)
             top = list(zip(ids.tolist(), vals.tolist()))
         return [TokenLogprob(t, float(lp[t]), top) for t in tokens]
 

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 
 from .errors import InputError
 from .sampling import SamplingParams
@@ -45,10 +45,12 @@ class RequestOptions:
         n_discard: tokens a context shift drops after the kept ones (0: half of them); llama-server's
             ``n_discard``.
 
-    Build one with ``RequestOptions(params, n_max=3, ...)``, or :meth:`of`.
+    Build one with ``RequestOptions(params, n_max=3, ...)`` (every field but ``params`` by keyword), or
+    with :meth:`of`.
     """
 
     params: SamplingParams
+    _: KW_ONLY
     n_max: int | str = 0
     n_min: int = 0
     p_min: float | None = None

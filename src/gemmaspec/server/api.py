@@ -651,7 +651,7 @@ def create_app(cfg: ServeConfig, on_ready=None, on_load_error=None) -> FastAPI:
                 pass
 
         name = getattr(fmt, "id", None) or f"cmpl-{uuid.uuid4().hex[:24]}"
-        options = RequestOptions(params, n_max, n_min, p_min, logprobs, constraint=constraint,
+        options = RequestOptions(params, n_max=n_max, n_min=n_min, p_min=p_min, logprobs=logprobs, constraint=constraint,
                                  post_sampling=bool(getattr(req, "post_sampling_probs", False)),
                                  context_shift=cfg.context_shift,
                                  n_keep=cfg.n_keep if req.n_keep is None else req.n_keep, n_discard=req.n_discard)
