@@ -9,7 +9,9 @@ nothing (:class:`~gemmaspec.speculative.drafters.NoDrafter`), so both paths shar
 The round lives in :class:`RequestState` (``prefill`` / ``begin_round`` / ``finish_round``), which
 owns a request's KV cache, drafter state, sampler and stop checks but not the target forward:
 :meth:`Engine.generate` drives one state with one forward per round, and the server's scheduler
-(:mod:`gemmaspec.server.scheduler`) drives several, batching their rounds into shared forwards.
+(:mod:`gemmaspec.server.scheduler`) drives several, batching their rounds into shared forwards. What a
+request asks for (sampling, draft lengths, log-probabilities, grammar, context shift) is one
+:class:`~gemmaspec.request.RequestOptions`; its ``max_tokens`` is enforced by the state alone.
 """
 
 from __future__ import annotations
@@ -153,8 +155,8 @@ class RequestState:
         stats: filled in as the request runs.
         cache: the KV cache to run in (emptied by :meth:`prefill`); None builds a new one.
 
-    The ``max_tokens`` limit is enforced here and only here: the token that reaches it ends the
-    request with stop reason ``length`` (:meth:`_take`), and no round drafts past it.
+    The ``max_tokens`` limit is enforced here and only here (:meth:`_reaches_limit`): the token that
+    reaches it ends the request with stop reason ``length`` (:meth:`_take`), and no round drafts past it.
 
     Raises:
         InputError: empty or too long prompt (without context shift), bad options.
@@ -237,7 +239,7 @@ class RequestState:
             self.cancel()
             return []
         st = self.stats
-        if self.options.tokens_left(0) == 0:  # the prompt only: its KV is in the cache, nothing is generated
+        if self._reaches_limit(0):  # max_tokens 0, the prompt only: its KV is in the cache, nothing is generated
             self._t1 = self._t_last = time.perf_counter()
             st.prefill_ms = (self._t1 - t0) * 1e3
             st.stop_reason, self.done = "length", True
@@ -341,13 +343,17 @@ class RequestState:
             self.done = True
 
     # ------------------------------------------------------------------------------------------
+    def _reaches_limit(self, n: int) -> bool:
+        """Whether ``n`` generated tokens reach the request's ``max_tokens`` (the ``length`` stop)."""
+        left = self.options.tokens_left(n)
+        return left is not None and left <= 0
+
     def _take(self, token: int, n: int) -> str | None:
         """Feed the request's ``n``-th generated token to the stop checks: the text to show, or None for
-        a stop token. The ``max_tokens`` limit is decided here, the one place: the token that
-        reaches it ends the request (reason ``length``, unless a stop string ended it first) and the
-        text held back for stop strings is released with it."""
-        left = self.options.tokens_left(n)
-        last = left is not None and left <= 0
+        a stop token. The token that reaches ``max_tokens`` ends the request here (reason ``length``,
+        unless a stop string ended it first) and the text held back for stop strings is released
+        with it; :meth:`prefill` stops a request of ``max_tokens`` 0 before any token."""
+        last = self._reaches_limit(n)
         text = self.stop.add(token, last=last)
         if text is not None and last and not self.stop.reason:
             self.stop.reason = "length"
