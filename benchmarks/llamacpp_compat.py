@@ -173,7 +173,8 @@ def draft_mtp_check(tmp: Path, tok, server: str, n: int) -> dict:
     ids = e.tokenizer.encode(PROMPT, add_bos=True)
     st = RequestStats()
     mine = [t for ev in e.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                                   load_drafter(SpecConfig("draft-mtp", str(a_gguf)), e), 2, st) for t in ev.tokens]
+                                   load_drafter(SpecConfig("draft-mtp", str(a_gguf)), e), n_max=2, stats=st)
+            for t in ev.tokens]
     return {"check": "draft-mtp", "same_tokens": got.get("tokens") == mine,
             "llama.cpp": {"tokens": got.get("tokens"), "draft_n": got["timings"].get("draft_n"),
                           "draft_n_accepted": got["timings"].get("draft_n_accepted")},

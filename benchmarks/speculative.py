@@ -141,12 +141,12 @@ def mtp_step_cost(engine, drafter, params) -> dict:
     setattr(asst, name, timed)
     try:
         st = RequestStats()
-        for _ev in engine.generate(ids, params, drafter, 3, st):
+        for _ev in engine.generate(ids, params, drafter, n_max=3, stats=st):
             pass
     finally:
         delattr(asst, name)
     plain = RequestStats()
-    for _ev in engine.generate(ids, params, None, 0, plain):
+    for _ev in engine.generate(ids, params, stats=plain):
         pass
     step = median(times) * 1e3
     target = plain.decode_ms / max(1, plain.generated_tokens - 1)

@@ -51,7 +51,7 @@ def test_c_step_equals_the_per_op_step(engine, mtp, act, monkeypatch):
             ids = engine.tokenizer.encode(prompt)
             params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
             plain = [t for ev in engine.generate(ids, params) for t in ev.tokens]
-            spec = [t for ev in engine.generate(ids, params, mtp, 3) for t in ev.tokens]
+            spec = [t for ev in engine.generate(ids, params, mtp, n_max=3) for t in ev.tokens]
             assert spec == plain
     finally:
         kernels.set_act_quant("none")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from gemmaspec.engine import RequestState
+from gemmaspec.request import RequestOptions
 from gemmaspec.sampling import SamplingParams
 from gemmaspec.speculative.drafters import NgramDrafter
 
@@ -47,8 +48,8 @@ def test_interleaved_request_states_equal_generate(engine):
     """Three requests whose rounds run in shared forwards produce exactly what generate() gives each alone."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
-    alone = [[t for ev in engine.generate(i, params, NgramDrafter(), 3) for t in ev.tokens] for i in ids]
-    states = [RequestState(engine, i, params, NgramDrafter(), 3) for i in ids]
+    alone = [[t for ev in engine.generate(i, params, NgramDrafter(), n_max=3) for t in ev.tokens] for i in ids]
+    states = [RequestState(engine, i, RequestOptions(params, n_max=3), NgramDrafter()) for i in ids]
     got = [[t for ev in s.prefill() for t in ev.tokens] for s in states]
     while any(not s.done for s in states):
         live = [(j, s) for j, s in enumerate(states) if not s.done]

@@ -20,12 +20,12 @@ CTX = 48
 
 @pytest.fixture(scope="module")
 def shifting(engine):
-    return Engine(engine.model, engine.tokenizer, CTX, context_shift=True)
+    return Engine(engine.model, engine.tokenizer, CTX)
 
 
-def _run(e, ids, params, **kw):
+def _run(e, ids, params, context_shift=True, **kw):
     st = RequestStats()
-    out = [t for ev in e.generate(ids, params, stats=st, **kw) for t in ev.tokens]
+    out = [t for ev in e.generate(ids, params, stats=st, context_shift=context_shift, **kw) for t in ev.tokens]
     return out, st
 
 
@@ -94,7 +94,7 @@ def test_a_prompt_that_does_not_fit_is_cut_as_llama_server_cuts_it(shifting, eng
     assert st.truncated and st.prompt_tokens == len(cut) < CTX
     assert got == _run(shifting, cut, p)[0]
     with pytest.raises(InputError, match="context"):
-        _run(Engine(engine.model, engine.tokenizer, CTX), ids, p)  # without --context-shift: refused
+        _run(shifting, ids, p, context_shift=False)  # without --context-shift: refused
 
 
 def test_a_long_kept_head_is_capped_at_half_the_context(shifting):

@@ -91,7 +91,7 @@ def test_greedy_draft_mtp_equals_plain_and_reference(pair, prompt_len):
     plain = [t for ev in engine.generate(ids, params) for t in ev.tokens]
     st = RequestStats()
     drafter = MTPDrafter(ours_a, ours_t, engine.cache)
-    spec = [t for ev in engine.generate(ids, params, drafter, 2, st) for t in ev.tokens]
+    spec = [t for ev in engine.generate(ids, params, drafter, n_max=2, stats=st) for t in ev.tokens]
     assert spec == plain
     assert st.spec.drafted > 0
     with torch.no_grad():
@@ -204,6 +204,6 @@ def test_assistant_on_every_target_family(kind, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     plain = [t for ev in engine.generate(ids, params) for t in ev.tokens]
     st = RequestStats()
-    spec = [t for ev in engine.generate(ids, params, MTPDrafter(ours_a, ours_t, engine.cache), 3, st) for t in ev.tokens]
+    spec = [t for ev in engine.generate(ids, params, MTPDrafter(ours_a, ours_t, engine.cache), n_max=3, stats=st) for t in ev.tokens]
     assert spec == plain and len(spec) == 20
     assert st.spec.drafted > 0

@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from gemmaspec.engine import Engine
+from gemmaspec.request import RequestOptions
 from gemmaspec.sampling import SamplingParams
 from gemmaspec.server.scheduler import Job, Scheduler
 from gemmaspec.speculative.drafters import NgramDrafter
@@ -52,7 +53,7 @@ def _run(engine, jobs_spec, n_slots, batched=True):
             else:
                 done.put(item)
 
-        job = Job(engine.tokenizer.encode(prompt), params, emit, n_max=n_max)
+        job = Job(engine.tokenizer.encode(prompt), RequestOptions(params, n_max=n_max), emit)
         jobs.append(job)
     for j in jobs:
         sched.submit(j)
@@ -64,7 +65,7 @@ def _run(engine, jobs_spec, n_slots, batched=True):
 
 def _solo(engine, prompt, params, n_max):
     ids = engine.tokenizer.encode(prompt)
-    return [t for e in engine.generate(ids, params, NgramDrafter(4, 1), n_max) for t in e.tokens]
+    return [t for e in engine.generate(ids, params, NgramDrafter(4, 1), n_max=n_max) for t in e.tokens]
 
 
 @pytest.mark.parametrize("batched", [True, False], ids=["forward_batch", "one-forward-per-slot"])
@@ -86,13 +87,13 @@ def test_cancelled_request_frees_its_slot(engine):
     sched = Scheduler(lambda: (engine, lambda cache: NgramDrafter()), 1)
     sched.start()
     assert sched.ready.wait(60)
-    long = Job(engine.tokenizer.encode(PROMPTS[2]), SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True),
-               events.put)
+    long = Job(engine.tokenizer.encode(PROMPTS[2]),
+               RequestOptions(SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)), events.put)
     got_one = threading.Event()
     short_out = queue.Queue()
     long.emit = lambda item: (events.put(item), got_one.set())
-    short = Job(engine.tokenizer.encode(PROMPTS[3]), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                short_out.put)
+    short = Job(engine.tokenizer.encode(PROMPTS[3]),
+                RequestOptions(SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)), short_out.put)
     sched.submit(long)
     sched.submit(short)
     assert got_one.wait(60)

@@ -38,7 +38,7 @@ def _solo(engine, prompt, n, chat=False):
     """What gemmaspec generate gives alone (greedy, ngram-simple n_max 3: the server's defaults)."""
     ids = engine.encode_prompt(prompt, chat=chat)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    evs = list(engine.generate(ids, params, NgramDrafter(4, 1), 3))
+    evs = list(engine.generate(ids, params, NgramDrafter(4, 1), n_max=3))
     return "".join(e.text for e in evs), [t for e in evs for t in e.tokens]
 
 
@@ -138,7 +138,7 @@ def test_stop_string_finishes_with_stop(client, engine):
     st = RequestStats()
     ids = engine.encode_prompt(prompt)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=(stop,))
-    want = "".join(e.text for e in engine.generate(ids, params, NgramDrafter(4, 1), 3, st))
+    want = "".join(e.text for e in engine.generate(ids, params, NgramDrafter(4, 1), n_max=3, stats=st))
     assert want == full[:cut] and st.stop_reason == "stop"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop],
                                   extra_body=extra)

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import ServerProcess
 from gemmaspec.engine import Engine, RequestStats
+from gemmaspec.request import RequestOptions
 from gemmaspec.sampling import SamplingParams
 from gemmaspec.server.scheduler import Job, Scheduler
 from gemmaspec.errors import InputError
@@ -78,7 +79,7 @@ def test_drafting_stops_exactly_where_plain_decoding_stops_at_the_context_limit(
         small = Engine(engine.model, engine.tokenizer, ctx_size=ctx)
         plain = [t for e in small.generate(ids, params) for t in e.tokens]
         st = RequestStats()
-        spec = [t for e in small.generate(ids, params, NgramDrafter(4, 1), 8, st) for t in e.tokens]
+        spec = [t for e in small.generate(ids, params, NgramDrafter(4, 1), n_max=8, stats=st) for t in e.tokens]
         assert spec == plain and len(ids) + len(spec) == ctx, ctx
         assert st.stop_reason == "context"
 
@@ -150,7 +151,7 @@ def test_a_request_cancelled_during_prefill_stops_before_the_next_chunk(engine):
     assert sched.ready.wait(60)
     done = threading.Event()
     ids = engine.tokenizer.encode("word " * 1500)  # 6 prefill chunks of 256
-    job = Job(ids, SamplingParams(temperature=0, max_tokens=4), lambda item: done.set())
+    job = Job(ids, RequestOptions(SamplingParams(temperature=0, max_tokens=4)), lambda item: done.set())
     model.on_first = lambda: sched.cancel(job)
     sched.submit(job)
     import time
@@ -515,7 +516,7 @@ def test_seeded_sampling_is_the_same_with_any_draft_length(engine):
     plain = [t for e in engine.generate(ids, params) for t in e.tokens]
     for n_max in (1, 3, 8, "auto"):
         st = RequestStats()
-        spec = [t for e in engine.generate(ids, params, NgramDrafter(4, 1), n_max, st) for t in e.tokens]
+        spec = [t for e in engine.generate(ids, params, NgramDrafter(4, 1), n_max=n_max, stats=st) for t in e.tokens]
         assert spec == plain, n_max
         assert st.spec.drafted > 0 and st.spec.accepted > 0  # drafts were verified, and some kept
     other = SamplingParams(temperature=0.9, seed=12, max_tokens=40, ignore_eos=True)
@@ -537,7 +538,7 @@ def test_seeded_sampling_is_the_same_with_the_assistant_and_a_draft_model(engine
     plain = [t for e in engine.generate(ids, params) for t in e.tokens]
     for n_max in (1, 3, 15, "auto"):
         st = RequestStats()
-        assert [t for e in engine.generate(ids, params, drafter, n_max, st) for t in e.tokens] == plain, n_max
+        assert [t for e in engine.generate(ids, params, drafter, n_max=n_max, stats=st) for t in e.tokens] == plain, n_max
         assert st.spec.drafted > 0
 
 

@@ -133,7 +133,7 @@ def test_engine_output_follows_the_schema_and_drafting_changes_nothing(engine, s
         assert conforms(json.loads(engine.tokenizer.decode(plain)), schema)
         for n_max in (1, 4, 8):
             st = RequestStats()
-            spec = [t for e in engine.generate(ids, params, NgramDrafter(2, 1), n_max, st,
+            spec = [t for e in engine.generate(ids, params, NgramDrafter(2, 1), n_max=n_max, stats=st,
                                                constraint=g.constraint(engine.tokenizer)) for t in e.tokens]
             assert spec == plain, (params, n_max)
             drafted += st.spec.drafted

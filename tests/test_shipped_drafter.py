@@ -43,7 +43,7 @@ def make(engine, entry):
 def _run(engine, ids, drafter=None, n_max=0, n=48):
     st = RequestStats()
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    out = [t for ev in engine.generate(ids, params, drafter, n_max, st) for t in ev.tokens]
+    out = [t for ev in engine.generate(ids, params, drafter, n_max=n_max, stats=st) for t in ev.tokens]
     return out, st
 
 
@@ -137,4 +137,4 @@ def test_seeded_sampling_is_the_same_with_the_list_and_any_p_min(engine, make_ch
     for name, drafter in [("list", make_chain(engine.cache))] + [(p, _mtp(engine, p)) for p in (0.0, 0.3, 0.9)]:
         for n_max in (1, 4, "auto"):
             st = RequestStats()
-            assert [t for ev in engine.generate(ids, params, drafter, n_max, st) for t in ev.tokens] == plain, (name, n_max)
+            assert [t for ev in engine.generate(ids, params, drafter, n_max=n_max, stats=st) for t in ev.tokens] == plain, (name, n_max)

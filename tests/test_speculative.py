@@ -168,7 +168,7 @@ def test_eos_inside_chunk(tokenizer):
     st = RequestStats()
     # first token from prefill, then one round of 4 drafts: EOS is draft position 2 (0-based)
     text = "".join(ev.text for ev in eng.generate(ids, SamplingParams(temperature=0, max_tokens=50),
-                                                    Oracle(len(ids), script), 4, st))
+                                                    Oracle(len(ids), script), n_max=4, stats=st))
     assert text == tokenizer.decode(words[:3])
     assert st.generated_tokens == 3 and st.stop_reason == "eos"
     assert st.spec.accepted == 2  # words[1], words[2]; EOS and what follows are not counted
@@ -181,7 +181,7 @@ def test_stop_string_split_across_tokens(tokenizer):
     stop = "ma del"  # spans " gamma" and " delta"
     st = RequestStats()
     text = "".join(ev.text for ev in eng.generate(ids, SamplingParams(temperature=0, max_tokens=50, stop=(stop,)),
-                                                    Oracle(len(ids), words), 4, st))
+                                                    Oracle(len(ids), words), n_max=4, stats=st))
     assert text == " alpha beta gam"
     assert st.stop_reason == "stop"
 
@@ -192,7 +192,7 @@ def test_max_tokens_exact(tokenizer, max_tokens):
     eng, ids, _ = _script_engine(tokenizer, "Letters:", words)
     st = RequestStats()
     toks = [t for ev in eng.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens),
-                                     Oracle(len(ids), words), 4, st) for t in ev.tokens]
+                                     Oracle(len(ids), words), n_max=4, stats=st) for t in ev.tokens]
     assert toks == words[:max_tokens]
     assert st.generated_tokens == max_tokens and st.stop_reason == "length"
 
@@ -200,7 +200,7 @@ def test_max_tokens_exact(tokenizer, max_tokens):
 def test_streamed_deltas_keep_every_token(tokenizer):
     words = tokenizer.encode(" héllo wörld 😀 日本 語 done", add_bos=False)
     eng, ids, _ = _script_engine(tokenizer, "Say:", words)
-    events = list(eng.generate(ids, SamplingParams(temperature=0, max_tokens=len(words)), Oracle(len(ids), words), 4))
+    events = list(eng.generate(ids, SamplingParams(temperature=0, max_tokens=len(words)), Oracle(len(ids), words), n_max=4))
     assert "".join(e.text for e in events) == tokenizer.decode(words)
     assert [t for e in events for t in e.tokens] == words
 
@@ -241,7 +241,7 @@ def test_rejection_sampling_preserves_target_distribution(one_hot):
 def _sampled(engine, ids, seed):
     st = RequestStats()
     params = SamplingParams(temperature=0.7, seed=seed, max_tokens=30)
-    evs = list(engine.generate(ids, params, NgramDrafter(), 3, stats=st))
+    evs = list(engine.generate(ids, params, NgramDrafter(), n_max=3, stats=st))
     return "".join(ev.text for ev in evs), [t for ev in evs for t in ev.tokens], st
 
 
@@ -273,7 +273,7 @@ def test_incompatible_draft_vocabulary_refused(tokenizer):
 
 def test_bad_draft_length(engine):
     with pytest.raises(InputError, match="draft length"):
-        list(engine.generate([2, 100], SamplingParams(max_tokens=2), NgramDrafter(), 16))
+        list(engine.generate([2, 100], SamplingParams(max_tokens=2), NgramDrafter(), n_max=16))
 
 
 def test_verdict_says_recovered_or_bonus():

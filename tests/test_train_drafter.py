@@ -101,7 +101,7 @@ def test_training_lowers_the_loss_and_the_export_drafts_losslessly(target, chunk
     prompt = Chunk.load(chunks[2]).tokens[:6].tolist()
     plain = [t for ev in engine.generate(prompt, params) for t in ev.tokens]
     st = RequestStats()
-    spec = [t for ev in engine.generate(prompt, params, MTPDrafter(assistant, target, engine.cache), 3, st)
+    spec = [t for ev in engine.generate(prompt, params, MTPDrafter(assistant, target, engine.cache), n_max=3, stats=st)
             for t in ev.tokens]
     assert spec == plain
     assert st.spec.drafted > 0 and st.spec.accepted > 0  # trained on this target's text: it does accept

@@ -9,7 +9,9 @@ nothing (:class:`~gemmaspec.speculative.drafters.NoDrafter`), so both paths shar
 The round lives in :class:`RequestState` (``prefill`` / ``begin_round`` / ``finish_round``), which
 owns a request's KV cache, drafter state, sampler and stop checks but not the target forward:
 :meth:`Engine.generate` drives one state with one forward per round, and the server's scheduler
-(:mod:`gemmaspec.server.scheduler`) drives several, batching their rounds into shared forwards.
+(:mod:`gemmaspec.server.scheduler`) drives several, batching their rounds into shared forwards. What a
+request asks for (sampling, draft lengths, log-probabilities, grammar, context shift) is one
+:class:`~gemmaspec.request.RequestOptions`; its ``max_tokens`` is enforced by the state alone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Iterator, NamedTuple
 import torch
 
 from .errors import InputError
+from .models.base import PREFILL_CHUNK
+from .request import RequestOptions
 from .sampling import Sampler, SamplingParams, ban_end_of_generation, filtered_probs
 from .speculative.adaptive import AdaptiveDraftLength
 from .speculative.drafters import DraftContext, Drafter, NoDrafter
@@ -28,8 +32,6 @@ from .speculative.stats import SpecStats
 from .speculative.verify import verify_round
 from .streaming import StopChecker
 from .tokenizer import GemmaTokenizer
-
-PREFILL_CHUNK = 256  # prompt tokens per forward
 
 
 @dataclass
@@ -98,6 +100,28 @@ class RoundInput(NamedTuple):
     all_logits: bool
 
 
+@dataclass
+class RoundInFlight:
+    """A round between :meth:`RequestState.begin_round` and :meth:`RequestState.finish_round`.
+
+    Attributes:
+        start: the cache's length when the round began (``len(tokens) - 1``: the pending token is not
+            cached yet); the cache rolls back to ``start`` + the tokens kept.
+        drafts: the draft token ids the target verifies (may be empty: a plain step).
+        dists: the drafter's distributions for the drafts (see :class:`~gemmaspec.speculative.drafters.Draft`),
+            or None (one-hot drafts, or none).
+        source: the name of the drafter of a chain that proposed them ("" otherwise).
+        t_start, t_drafted: ``time.perf_counter()`` seconds when the round began and when drafting ended.
+    """
+
+    start: int
+    drafts: list[int]
+    dists: list | None
+    source: str
+    t_start: float
+    t_drafted: float
+
+
 class RequestState:
     """One request's generation, as steps a caller drives: :meth:`prefill`, then rounds of
     :meth:`begin_round` → one target forward over the returned tokens on :attr:`cache` →
@@ -111,72 +135,59 @@ class RequestState:
     Args:
         engine: the :class:`Engine` (model, tokenizer, context size).
         prompt_ids: the prompt's token ids (BOS included when the model wants it).
-        params: sampling parameters (validated here). ``params.ignore_eos`` bans the end-of-generation
-            tokens (EOS, end of turn: a logit bias of -inf added, as llama.cpp does), so they are never
-            sampled (not with a ``constraint``, whose grammar may need them to end).
+        options: the request's :class:`~gemmaspec.request.RequestOptions` (validated here). With
+            ``params.ignore_eos`` the end-of-generation tokens (EOS, end of turn) are banned (a logit
+            bias of -inf added, as llama.cpp does), so they are never sampled (not with a
+            ``constraint``, whose grammar may need them to end). With a ``constraint`` every token is
+            drawn from the tokens its grammar allows, drafts are cut at the first token it forbids,
+            each verify position is masked by its state after the drafts before it, the state advances
+            over kept tokens only, and the request stops (reason ``eos``) once the grammar can only
+            end; a stop token then always ends it, ``ignore_eos`` or not. With ``context_shift``
+            (llama-server's ``--context-shift``, ``n_keep``, ``n_discard``) a prompt of ``ctx_size``
+            tokens or more is cut (its first ``n_keep`` tokens kept, BOS always, then whole blocks of
+            half the room dropped after them), and when generation fills the context ``n_discard``
+            tokens after the first ``n_keep`` are dropped (0: half of those after them), the cache is
+            rebuilt from the tokens kept (a prefill: exact, where llama.cpp re-rotates its cached keys)
+            and generation goes on; ``stats.truncated`` says so. ``n_keep`` -1 keeps the whole prompt;
+            at most half the context is kept (llama.cpp: all but 4 tokens, but its shift costs no
+            prefill). ``p_min`` is not applied here: the drafter's owner sets it.
         drafter: who proposes draft tokens (None: plain decoding); reset here.
-        n_max: most draft tokens per round, or ``"auto"`` (adaptive per round).
-        n_min: a proposal shorter than this is not verified.
         stats: filled in as the request runs.
         cache: the KV cache to run in (emptied by :meth:`prefill`); None builds a new one.
-        logprobs: None for no log-probabilities; k >= 0 to attach to each token event its
-            log-probability under the model (log-softmax of the logits, before any sampling filter)
-            and the k most likely alternatives.
-        constraint: None, or a :class:`~gemmaspec.grammar.Constraint` (a fresh one per request):
-            every token is drawn from the tokens its grammar allows, drafts are cut at the first
-            token it forbids, each verify position is masked by its state after the drafts before
-            it, the state advances over kept tokens only, and the request stops (reason ``eos``)
-            once the grammar can only end. A stop token then always ends it, ``ignore_eos`` or not.
-        post_sampling: with ``logprobs``, report probabilities in the sampling distribution instead
-            (see :class:`TokenLogprob`; llama-server's ``post_sampling_probs``); not with a constraint.
-        n_keep, n_discard: context shift (only when ``engine.context_shift``; llama-server's
-            ``--context-shift``, ``n_keep``, ``n_discard``): a prompt of ``ctx_size`` tokens or more is cut
-            (its first ``n_keep`` tokens kept, BOS always, then whole blocks of half the room dropped
-            after them), and when generation fills the context ``n_discard`` tokens after the first
-            ``n_keep`` are dropped (0: half of those after them), the cache is rebuilt from the tokens
-            kept (a prefill: exact, where llama.cpp re-rotates its cached keys) and generation goes on;
-            ``stats.truncated`` says so. ``n_keep`` -1 keeps the whole prompt; at most half the
-            context is kept (llama.cpp: all but 4 tokens, but its shift costs no prefill).
+
+    The ``max_tokens`` limit is enforced here and only here (:meth:`_reaches_limit`): the token that
+    reaches it ends the request with stop reason ``length`` (:meth:`_take`), and no round drafts past it.
 
     Raises:
-        InputError: empty or too long prompt (without context shift), bad parameters, n_max out of range.
+        InputError: empty or too long prompt (without context shift), bad options.
+        ValueError: a ``cache`` smaller than the engine's context.
     """
 
-    def __init__(self, engine: "Engine", prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
-                 n_max: int | str = 0, n_min: int = 0, stats: RequestStats | None = None, cache=None,
-                 logprobs: int | None = None, constraint=None, post_sampling: bool = False,
-                 n_keep: int = 0, n_discard: int = 0):
-        params.validate()
-        self.shift = bool(getattr(engine, "context_shift", False))
-        if not isinstance(n_keep, int) or n_keep < -1:
-            raise InputError(f"n_keep must be -1 (the whole prompt) or a number of tokens >= 0 (got {n_keep!r})")
-        if not isinstance(n_discard, int) or n_discard < 0:
-            raise InputError(f"n_discard must be a number of tokens >= 0, 0 for half (got {n_discard!r})")
+    def __init__(self, engine: "Engine", prompt_ids: list[int], options: RequestOptions,
+                 drafter: Drafter | None = None, stats: RequestStats | None = None, cache=None):
+        options.validate(engine.max_rollback)
+        self.options = options
         bos = engine.tokenizer.bos_id
         lead = 1 if prompt_ids and prompt_ids[0] == bos else 0
-        keep = len(prompt_ids) if n_keep == -1 else n_keep + lead
+        keep = len(prompt_ids) if options.n_keep == -1 else options.n_keep + lead
         # at most half the context is kept, so a shift frees at least a quarter of it: each one rebuilds
         # the cache (a prefill), and a head of nearly the whole context would shift every token or two
-        self.n_keep, self.n_discard = max(lead, min(keep, engine.ctx_size // 2)), n_discard
+        self.n_keep, self.n_discard = max(lead, min(keep, engine.ctx_size // 2)), options.n_discard
         self.shifted = 0  # tokens dropped by context shifts so far (positions for seeded draws stay absolute)
         truncated = False
-        if self.shift and prompt_ids and len(prompt_ids) >= engine.ctx_size:
+        if self.options.context_shift and prompt_ids and len(prompt_ids) >= engine.ctx_size:
             prompt_ids, truncated = self._cut_prompt(list(prompt_ids), engine.ctx_size), True
         engine.check_prompt(prompt_ids)
+        constraint, params = options.constraint, options.params
         if constraint is None:  # ignore_eos bans the end-of-generation tokens (llama.cpp's way)
             params = ban_end_of_generation(params, engine.tokenizer.stop_ids)
         self.controller = None
-        if n_max == "auto":
+        if options.n_max == "auto":
             self.controller = AdaptiveDraftLength(engine.forward_costs(), n_cap=min(8, engine.max_rollback - 1))
-        elif not isinstance(n_max, int) or not 0 <= n_max < engine.max_rollback:
-            raise InputError(f"draft length must be in 0..{engine.max_rollback - 1} or 'auto' (got {n_max})")
         if cache is not None and cache.capacity < engine.ctx_size:
             raise ValueError(f"a cache of {cache.capacity} positions cannot hold the context of {engine.ctx_size}")
         self.engine, self.model, self.ctx_size = engine, engine.model, engine.ctx_size
-        self.params, self.n_max, self.n_min, self.logprobs = params, n_max, n_min, logprobs
-        if post_sampling and constraint is not None:
-            raise InputError("post-sampling probabilities cannot be combined with a grammar")
-        self.post_sampling = post_sampling
+        self.params = params  # the options' sampling parameters, with ignore_eos's bans
         self.cache = cache if cache is not None else engine.model.new_cache(engine.ctx_size, engine.max_rollback)
         self.drafter = drafter or NoDrafter()
         self.drafter.reset()
@@ -189,7 +200,7 @@ class RequestState:
         self.hidden = None
         self.done = False
         self.reused = 0
-        self._round = None
+        self._round: RoundInFlight | None = None
         self._t1 = self._t_last = 0.0
 
     # ------------------------------------------------------------------------------------------
@@ -228,7 +239,7 @@ class RequestState:
             self.cancel()
             return []
         st = self.stats
-        if self.params.max_tokens == 0:  # the prompt only: its KV is in the cache, nothing is generated
+        if self._reaches_limit(0):  # max_tokens 0, the prompt only: its KV is in the cache, nothing is generated
             self._t1 = self._t_last = time.perf_counter()
             st.prefill_ms = (self._t1 - t0) * 1e3
             st.stop_reason, self.done = "length", True
@@ -238,7 +249,7 @@ class RequestState:
         self.hidden = out.hidden[-1]
         self._t1 = self._t_last = time.perf_counter()
         st.prefill_ms = st.ttft_ms = (self._t1 - t0) * 1e3
-        text = self.stop.add(token)
+        text = self._take(token, 1)
         if text is None:
             st.stop_reason = self.stop.reason
             self.done = True
@@ -260,19 +271,19 @@ class RequestState:
         # tokens the context can still take: a round keeps its accepted drafts plus one target token,
         # so at most room - 1 drafts, and plain decoding's output is never exceeded at the limit
         room = self.ctx_size - len(self.tokens)
-        params = self.params
-        remaining = params.max_tokens - self.stats.generated_tokens if params.max_tokens != -1 else room
+        left = self.options.tokens_left(self.stats.generated_tokens)
+        remaining = room if left is None else left
         t_round = time.perf_counter()
-        k = max(0, min(self.controller.choose() if self.controller else self.n_max, room - 1, remaining - 1))
+        k = max(0, min(self.controller.choose() if self.controller else self.options.n_max, room - 1, remaining - 1))
         draft = self.drafter.propose(DraftContext(self.tokens, self.hidden), k) if k > 0 else None
         t_drafted = time.perf_counter()
         drafts = list(draft.tokens[:k]) if draft else []
         if self.constraint is not None and drafts:  # a draft token the grammar forbids ends the draft
             drafts = drafts[:self.constraint.valid_prefix(drafts)]
-        if len(drafts) < max(self.n_min, 1):
+        if len(drafts) < max(self.options.n_min, 1):
             drafts = []
-        self._round = (start, drafts, draft.dists if draft else None, t_round, t_drafted,
-                       draft.source if draft else "")
+        self._round = RoundInFlight(start, drafts, draft.dists if draft else None, draft.source if draft else "",
+                                    t_round, t_drafted)
         return RoundInput(torch.tensor(self.tokens[-1:] + drafts), bool(drafts))
 
     def finish_round(self, out) -> list[Event]:
@@ -281,8 +292,8 @@ class RequestState:
         stops token by token and roll the cache back to what was kept."""
         if self._round is None:
             raise RuntimeError("finish_round() without begin_round()")
-        start, drafts, dists, t_round, t_drafted, source = self._round
-        self._round = None
+        rnd, self._round = self._round, None
+        drafts = rnd.drafts
         st, stop = self.stats, self.stop
         c, masks = self.constraint, None
         if c is not None:
@@ -293,7 +304,7 @@ class RequestState:
                     c.consume(drafts[c.consumed - base])
                 return c.mask()
 
-        verdict = verify_round(out.logits, self.tokens, drafts, dists, self.params, self.sampler,
+        verdict = verify_round(out.logits, self.tokens, drafts, rnd.dists, self.params, self.sampler,
                                pos=len(self.tokens) + self.shifted,
                                masks=masks)
         if c is not None:
@@ -301,7 +312,7 @@ class RequestState:
         new = (drafts[:verdict.n_accepted] + [verdict.next_token])[:self.ctx_size - len(self.tokens)]
         events = []
         for i, t in enumerate(new):
-            text = stop.add(t)
+            text = self._take(t, st.generated_tokens + i + 1)
             if text is None:
                 break
             events.append(Event(text, [t], self._logprobs(out.logits[i], [t], self.tokens + new[:i])))
@@ -309,14 +320,15 @@ class RequestState:
             if stop.reason:
                 break
         kept = len(events)
-        self.cache.rollback(start + kept)
+        self.cache.rollback(rnd.start + kept)
         self.tokens.extend(new[:kept])
         st.generated_tokens += kept
-        st.spec.record(len(drafts), min(verdict.n_accepted, kept), source)
+        st.spec.record(len(drafts), min(verdict.n_accepted, kept), rnd.source)
         self.hidden = out.hidden[min(kept, verdict.n_accepted)] if kept else self.hidden
         self._t_last = time.perf_counter()
         if self.controller:
-            self.controller.update(len(drafts), verdict.n_accepted, t_drafted - t_round, self._t_last - t_round)
+            self.controller.update(len(drafts), verdict.n_accepted, rnd.t_drafted - rnd.t_start,
+                                   self._t_last - rnd.t_start)
         self._check_context()
         if stop.reason:
             self._finish(events)
@@ -331,6 +343,22 @@ class RequestState:
             self.done = True
 
     # ------------------------------------------------------------------------------------------
+    def _reaches_limit(self, n: int) -> bool:
+        """Whether ``n`` generated tokens reach the request's ``max_tokens`` (the ``length`` stop)."""
+        left = self.options.tokens_left(n)
+        return left is not None and left <= 0
+
+    def _take(self, token: int, n: int) -> str | None:
+        """Feed the request's ``n``-th generated token to the stop checks: the text to show, or None for
+        a stop token. The token that reaches ``max_tokens`` ends the request here (reason ``length``,
+        unless a stop string ended it first) and the text held back for stop strings is released
+        with it; :meth:`prefill` stops a request of ``max_tokens`` 0 before any token."""
+        last = self._reaches_limit(n)
+        text = self.stop.add(token, last=last)
+        if text is not None and last and not self.stop.reason:
+            self.stop.reason = "length"
+        return text
+
     def _grammar_step(self, token: int) -> None:
         """Advance the grammar over a kept token; once it can only end, the request ends (``eos``)."""
         if self.constraint is not None:
@@ -340,7 +368,7 @@ class RequestState:
 
     def _check_context(self) -> None:
         if not self.stop.reason and len(self.tokens) >= self.ctx_size:
-            if self.shift and self._shift_context():
+            if self.options.context_shift and self._shift_context():
                 return
             self.stop.reason = "context"
 
@@ -380,18 +408,19 @@ class RequestState:
         self.done = True
 
     def _logprobs(self, logits: torch.Tensor, tokens: list[int], history=()):
-        if self.logprobs is None:
+        k = self.options.logprobs
+        if k is None:
             return None
-        if self.post_sampling:  # the distribution the token was drawn from (history: the ids before it)
+        if self.options.post_sampling:  # the distribution the token was drawn from (history: the ids before it)
             ids, probs = filtered_probs(logits, self.params, history)
             ids, probs = ids.tolist(), probs.tolist()
             at = dict(zip(ids, probs))
-            top = [(i, p) for i, p in zip(ids[:self.logprobs], probs[:self.logprobs]) if p > 0]
+            top = [(i, p) for i, p in zip(ids[:k], probs[:k]) if p > 0]
             return [TokenLogprob(t, at.get(t, 0.0), top, probs=True) for t in tokens]
         lp = torch.log_softmax(logits.float(), -1)
         top = []
-        if self.logprobs > 0:
-            vals, ids = torch.topk(lp, self.logprobs)
+        if k > 0:
+            vals, ids = torch.topk(lp, k)
             top = list(zip(ids.tolist(), vals.tolist()))
         return [TokenLogprob(t, float(lp[t]), top) for t in tokens]
 
@@ -414,14 +443,21 @@ class Engine:
         model: a :class:`~gemmaspec.models.base.CausalLM`.
         tokenizer: the model's tokenizer.
         ctx_size: most positions a request may use (prompt + generated), ``-c``.
+        max_rollback: positions a cache may roll back (a round keeps at most ``max_rollback`` tokens,
+            so draft lengths are 0..max_rollback-1).
+        model_path: the file or directory the model was loaded from (:class:`pathlib.Path`), None when
+            it was built in memory; the shipped-assistant lookup matches it.
+
+    Context shift is a request's choice (:attr:`~gemmaspec.request.RequestOptions.context_shift`).
     """
 
     def __init__(self, model, tokenizer: GemmaTokenizer, ctx_size: int = 4096, max_rollback: int = 16,
-                 context_shift: bool = False):
+                 model_path=None):
         self.model, self.tokenizer, self.ctx_size = model, tokenizer, ctx_size
-        self.context_shift = context_shift  # llama-server's --context-shift (see RequestState)
+        self.model_path = model_path
         self.cache = model.new_cache(ctx_size, max_rollback)
         self.max_rollback = max_rollback
+        self._forward_costs: list[float] | None = None
 
     # ------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
@@ -442,7 +478,7 @@ class Engine:
     def forward_costs(self, n_cap: int = 8) -> list[float]:
         """Seconds of one target forward over 1..n_cap+1 tokens on this machine (median of 3), measured
         once per engine on a scratch cache and kept; the adaptive draft length plans with it."""
-        if getattr(self, "_forward_costs", None) is None:
+        if self._forward_costs is None:
             cache = self.model.new_cache(64, self.max_rollback)
             self.model.forward(torch.tensor([self.tokenizer.bos_id] * 8), cache)
             costs = []
@@ -472,30 +508,36 @@ class Engine:
                 progress(min(i + PREFILL_CHUNK, len(ids)))
         return out
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, drafter: Drafter | None = None,
-                 n_max: int | str = 0, stats: RequestStats | None = None, n_min: int = 0,
-                 constraint=None, n_keep: int = 0, n_discard: int = 0) -> Iterator[Event]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams | RequestOptions, drafter: Drafter | None = None,
+                 *, stats: RequestStats | None = None, **options) -> Iterator[Event]:
         """Generate from ``prompt_ids`` in this engine's cache, yielding text as it is produced (one
         event per round, then any text held back to the end).
 
         Args:
             prompt_ids: the prompt's token ids (BOS included when the model wants it).
-            params: sampling parameters (validated here).
-            drafter: who proposes draft tokens (None: plain decoding).
-            n_max: most draft tokens per round (ignored by a drafter that proposes none), or
-                ``"auto"``: chosen each round by :class:`~gemmaspec.speculative.adaptive.AdaptiveDraftLength`.
+            params: the request's :class:`~gemmaspec.request.RequestOptions`, or just its sampling
+                parameters (then ``options`` gives the other fields).
+            drafter: who proposes draft tokens (None: plain decoding). With ``p_min`` set, its
+                ``p_min`` (if it has one) is that value for this call and restored after.
             stats: filled in as the request runs (counts, timings, acceptance).
-            n_min: a proposal shorter than this is not verified (llama.cpp's ``--spec-draft-n-min``).
-            constraint: a fresh :class:`~gemmaspec.grammar.Constraint`, or None (see :class:`RequestState`).
-            n_keep, n_discard: context shift settings, with ``context_shift`` (see :class:`RequestState`).
+            **options: fields of :class:`~gemmaspec.request.RequestOptions` (``n_max``, ``n_min``,
+                ``constraint``, ``context_shift``, ...), set on (or replaced in) ``params``.
 
         Raises:
-            InputError: empty or too long prompt, bad parameters, n_max out of range.
+            InputError: empty or too long prompt, bad options (see :class:`RequestState`).
+            TypeError: an ``options`` name that is not a field of RequestOptions.
         """
-        state = RequestState(self, prompt_ids, params, drafter, n_max, n_min, stats, cache=self.cache,
-                             constraint=constraint, n_keep=n_keep, n_discard=n_discard)
-        yield from _merged(state.prefill())
-        while not state.done:
-            rnd = state.begin_round()
-            out = self.model.forward(rnd.tokens, state.cache, all_logits=rnd.all_logits)
-            yield from _merged(state.finish_round(out))
+        opts = RequestOptions.of(params, **options)
+        own_p_min = getattr(drafter, "p_min", None) if opts.p_min is not None else None
+        if own_p_min is not None:
+            drafter.p_min = opts.p_min
+        try:
+            state = RequestState(self, prompt_ids, opts, drafter, stats, cache=self.cache)
+            yield from _merged(state.prefill())
+            while not state.done:
+                rnd = state.begin_round()
+                out = self.model.forward(rnd.tokens, state.cache, all_logits=rnd.all_logits)
+                yield from _merged(state.finish_round(out))
+        finally:
+            if own_p_min is not None:
+                drafter.p_min = own_p_min

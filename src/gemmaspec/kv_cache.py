@@ -66,9 +66,12 @@ class LayerKV:
         self.k = _zeros((rows, num_kv_heads, head_dim), device, dtype)
         self.v = _zeros((rows, num_kv_heads, head_dim), device, dtype)
 
-    def read(self, plan: ReadPlan, start: int, k_new: torch.Tensor, v_new: torch.Tensor):
-        """Store the new keys/values [T, num_kv_heads, head_dim] for positions start.. and return
-        ``(keys, values)`` [L, num_kv_heads, head_dim] that the plan's mask refers to."""
+    def update(self, plan: ReadPlan, start: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Write the new keys/values [T, num_kv_heads, head_dim] for positions start.. into the cache and
+        return ``(keys, values)`` [L, num_kv_heads, head_dim] that the plan's mask refers to (a view of
+        the cache, or for mode "gather" a new tensor of the old rows then the new ones). It writes and
+        reads in one call because mode "gather" must read the old rows before the ring write may
+        overwrite them (transformers' ``Cache.update`` has the same contract)."""
         t = k_new.shape[0]
         if plan.mode == "prefix":
             self.k[start:start + t] = k_new

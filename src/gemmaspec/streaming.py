@@ -1,6 +1,7 @@
 """Generated tokens → the text a user sees, as it streams: incremental detokenisation that never
 splits a multi-byte character, and llama.cpp's stop conditions (stop tokens, stop strings held back
-while they may still match, max tokens). Used by every request (:class:`gemmaspec.engine.RequestState`).
+while they may still match). Used by every request (:class:`gemmaspec.engine.RequestState`), which
+decides the ``max_tokens`` limit itself and tells :meth:`StopChecker.add` which token is the last.
 """
 
 from __future__ import annotations
@@ -177,8 +178,10 @@ def stop_matcher(stops: tuple[str, ...]) -> StopStrings:
 
 
 class StopChecker:
-    """Token-by-token stop conditions: stop ids, stop strings (held back while they may still
-    match), max tokens. ``add`` returns the text that is safe to show.
+    """Token-by-token stop conditions: stop ids and stop strings (held back while they may still
+    match). ``add`` returns the text that is safe to show. :attr:`reason` is ``eos`` or ``stop`` when
+    one of them ended the text; the caller may set another (``length``, ``context``) before
+    :meth:`finish`. ``params.max_tokens`` is not read: the caller says which token is the last.
 
     Stop strings are matched by :class:`StopStrings`, so checking a token costs what its characters
     cost, not the number or length of the stop strings. When a token's text completes several stop
@@ -195,8 +198,10 @@ class StopChecker:
         self.word = ""  # the stop string that ended generation
         self.matcher = stop_matcher(tuple(params.stop)).fresh() if params.stop else None
 
-    def add(self, token: int) -> str | None:
-        """Feed one generated token; returns text to show, or None when the token is a stop token."""
+    def add(self, token: int, last: bool = False) -> str | None:
+        """Feed one generated token; returns text to show, or None when the token is a stop token.
+        ``last``: no token follows (the caller's length limit), so nothing is held back for stop
+        strings (unless one matched)."""
         if token in self.tok.stop_ids and not self.params.ignore_eos:
             self.reason = "eos"
             return None
@@ -218,8 +223,7 @@ class StopChecker:
                 self.text = self.text[:out_end]
             else:
                 out_end -= self.matcher.depth  # a tail that could be the start of a stop string
-        if self.reason != "stop" and self.params.max_tokens != -1 and len(self.tokens) >= self.params.max_tokens:
-            self.reason = "length"
+        if last and self.reason != "stop":
             out_end = len(self.text)
         out = self.text[self.shown:out_end] if out_end > self.shown else ""
         self.shown = max(self.shown, out_end)

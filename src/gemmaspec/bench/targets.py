@@ -163,6 +163,7 @@ class InProcessTarget:
 
     def request(self, p: Prompt, spec_type: str, n_max, max_tokens: int, temp: float, seed: int,
                 stop: threading.Event | None = None) -> dict:
+        from ..request import RequestOptions
         from ..sampling import SamplingParams
         from ..server.scheduler import Job
 
@@ -175,7 +176,7 @@ class InProcessTarget:
         def emit(item):
             inbox.put((time.perf_counter(), item))
 
-        job = Job(ids, params, emit, n_max=n_max, name="bench")
+        job = Job(ids, RequestOptions(params, n_max=n_max), emit, name="bench")
         sched.submit(job)
         arrivals, tokens, text = [], [], []
         while True:

@@ -67,8 +67,7 @@ def load(args):
         plan = spec_plan(args)
         est = memory_estimate(args, plan)
         t0 = time.perf_counter()
-        engine = load_engine(args.model, ctx_size=args.ctx_size, device=args.device, threads=args.threads,
-                             context_shift=getattr(args, "context_shift", False))
+        engine = load_engine(args.model, ctx_size=args.ctx_size, device=args.device, threads=args.threads)
         load_s = time.perf_counter() - t0
         drafter = build(plan, engine, warn=lambda line: print(line, file=sys.stderr))(engine.cache)
     return engine, drafter, plan, load_s, (est.line() if est is not None else None)
@@ -116,8 +115,8 @@ def run(args) -> int:
     stats = RequestStats()
     out = sys.stdout
     n_max = plan.spec.n_max
-    for ev in engine.generate(ids, params, drafter=drafter, n_max=n_max, n_min=plan.spec.n_min, stats=stats,
-                              n_keep=args.keep):
+    for ev in engine.generate(ids, params, drafter=drafter, stats=stats, n_max=n_max, n_min=plan.spec.n_min,
+                              context_shift=args.context_shift, n_keep=args.keep):
         out.write(ev.text)
         out.flush()
     out.write("\n")

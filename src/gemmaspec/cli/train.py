@@ -217,8 +217,8 @@ def run_eval(args) -> int:
         ids = engine.tokenizer.encode(prompt)
         params = SamplingParams(temperature=0.0, max_tokens=args.n_predict, ignore_eos=True)
         plain_st, spec_st = RequestStats(), RequestStats()
-        plain = [t for ev in engine.generate(ids, params, None, 0, plain_st) for t in ev.tokens]
-        spec = [t for ev in engine.generate(ids, params, make(engine.cache), n_max, spec_st) for t in ev.tokens]
+        plain = [t for ev in engine.generate(ids, params, stats=plain_st) for t in ev.tokens]
+        spec = [t for ev in engine.generate(ids, params, make(engine.cache), n_max=n_max, stats=spec_st) for t in ev.tokens]
         d = spec_st.spec.to_dict()
         rows.append({"prompt": prompt[:40], "same_output": plain == spec, "plain_tps": plain_st.decode_tps,
                      "mtp_tps": spec_st.decode_tps, **d})

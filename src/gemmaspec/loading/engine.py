@@ -53,8 +53,7 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads if threads is not None else physical_cores())
 
 
-def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", threads: int | None = None,
-                context_shift: bool = False) -> Engine:
+def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", threads: int | None = None) -> Engine:
     """A ready :class:`Engine`.
 
     Args:
@@ -62,8 +61,6 @@ def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", th
         ctx_size: context size in tokens; None = min(4096, the model's), 0 = the model's.
         device: ``auto``, ``cpu`` or ``cuda``.
         threads: CPU threads (None: the physical cores this process may use).
-        context_shift: when the context fills, drop old tokens and go on instead of stopping
-            (``--context-shift``).
 
     Raises:
         GemmaspecError: bad file, unsupported model, bad device or context size.
@@ -71,10 +68,10 @@ def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", th
     from ..heap import startup_heap
 
     with startup_heap():  # no full garbage collection while loading; what is loaded is frozen
-        return _load_engine(path, ctx_size, device, threads, context_shift)
+        return _load_engine(path, ctx_size, device, threads)
 
 
-def _load_engine(path, ctx_size, device, threads, context_shift) -> Engine:
+def _load_engine(path, ctx_size, device, threads) -> Engine:
     set_threads(threads)
     loaded = load_checkpoint(path, resolve_device(device), role="target")
     if loaded.model.device.type == "cpu":
@@ -86,7 +83,4 @@ def _load_engine(path, ctx_size, device, threads, context_shift) -> Engine:
         raise InputError(f"-c {ctx} exceeds the model's context of {loaded.config.context_length} tokens")
     if ctx < 2:
         raise InputError(f"-c must be at least 2 (got {ctx})")
-    engine = Engine(loaded.model, loaded.tokenizer, ctx)
-    engine.model_path = loaded.path  # what the shipped-assistant lookup matches
-    engine.context_shift = context_shift
-    return engine
+    return Engine(loaded.model, loaded.tokenizer, ctx, model_path=loaded.path)

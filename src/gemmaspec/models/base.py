@@ -46,6 +46,12 @@ class CausalLM(Protocol):
 
 FEW_ROWS = 64  # a forward of at most this many rows runs PyTorch's ops on one thread
 
+PREFILL_CHUNK = 256
+"""Most tokens one forward runs when a prompt (or any run of known tokens) goes through a model: the
+engine's prefill and a draft model's catch-up both run in chunks of this many, which bounds one
+forward's activations (``[PREFILL_CHUNK, hidden]`` and the attention scores) whatever the prompt's
+length."""
+
 
 def step_threads(rows: int):
     """The thread context for a forward of ``rows`` token rows: at most ``FEW_ROWS`` (decode, verify,

@@ -240,7 +240,7 @@ class Gemma3Model:
             for j, (_, cache) in enumerate(seqs):
                 a0, a1 = bounds[j], bounds[j + 1]
                 plan = plans[j][layer.sliding]
-                keys, values = cache.layers[li].read(plan, starts[j], k[a0:a1], v[a0:a1])
+                keys, values = cache.layers[li].update(plan, starts[j], k[a0:a1], v[a0:a1])
                 parts.append(attention(q[a0:a1], keys, values, plan.mask, self.attn_scale))
             a = parts[0] if single else torch.cat(parts)
             a = lin(layer.o, a.reshape(n, h_q * d))

@@ -260,7 +260,7 @@ class Gemma4Model:
                     v_raw = linear(v_w, h).view(t, h_kv, d)
                 k = apply_rope(rms_norm(k_raw, w[p + "attn_k_norm.weight"], eps), cos, sin)
                 v = rms_norm(v_raw, None, eps)
-                keys, values = cache.layers[i].read(plans[kind], start, k, v)
+                keys, values = cache.layers[i].update(plans[kind], start, k, v)
                 shared[i] = (keys, values)
             else:
                 keys, values = shared[self.kv_source[i]]

@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..errors import GemmaspecError
+from ..request import RequestOptions
 from ..sampling import SamplingParams
 from ..streaming import stop_matcher
 from .apierror import APIError
@@ -91,11 +92,12 @@ async def submit(st: ServerState, req, kind: str, ids: list[int], params: Sampli
             pass
 
     name = getattr(fmt, "id", None) or f"cmpl-{uuid.uuid4().hex[:24]}"
-    job = Job(ids, params, emit, n_max, n_min, logprobs, p_min=p_min, name=name, endpoint=kind, want_slot=want_slot,
-              cache_prompt=req.cache_prompt, constraint=constraint,
-              post_sampling=bool(getattr(req, "post_sampling_probs", False)),
-              progress=req.return_progress and req.stream,
-              n_keep=st.cfg.n_keep if req.n_keep is None else req.n_keep, n_discard=req.n_discard, group=group)
+    options = RequestOptions(params, n_max=n_max, n_min=n_min, p_min=p_min, logprobs=logprobs, constraint=constraint,
+                             post_sampling=bool(getattr(req, "post_sampling_probs", False)),
+                             context_shift=st.cfg.context_shift,
+                             n_keep=st.cfg.n_keep if req.n_keep is None else req.n_keep, n_discard=req.n_discard)
+    job = Job(ids, options, emit, name=name, endpoint=kind, want_slot=want_slot, cache_prompt=req.cache_prompt,
+              progress=req.return_progress and req.stream, group=group)
     try:
         st.scheduler.submit(job)
     except RuntimeError as exc:

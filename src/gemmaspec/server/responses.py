@@ -394,10 +394,11 @@ def slot_fields(st: ServerState, job: Job | None, last: Job | None = None) -> di
     """A slot's llama-server fields in ``/slots``: the running request's (``job``), or the last one's
     parameters with an idle ``next_token`` (nothing remains, nothing decoded)."""
     s = job.stats if job else None
-    p = job.params if job else None
+    left = job.options.tokens_left(s.generated_tokens) if job else None
     task = job or last
+    o = task.options
     return {"id_task": task.id_task, "speculative": st.model.spec_type != "none",
-            "params": generation_settings(st, task.params, task.n_max, task.n_min, task.p_min),
+            "params": generation_settings(st, o.params, o.n_max, o.n_min, o.p_min),
             "next_token": [{"has_next_token": job is not None, "has_new_line": False,  # a list, as llama-server's
-                            "n_remain": -1 if p is None or p.max_tokens == -1 else p.max_tokens - s.generated_tokens,
+                            "n_remain": -1 if left is None else left,
                             "n_decoded": s.generated_tokens if s else 0}]}

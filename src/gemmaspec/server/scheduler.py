@@ -31,7 +31,7 @@ from typing import Callable
 
 from ..engine import Engine, Event, RequestState, RequestStats
 from ..errors import GemmaspecError
-from ..sampling import SamplingParams
+from ..request import RequestOptions
 
 log = logging.getLogger("gemmaspec.server")
 _ids = itertools.count(1)
@@ -43,15 +43,13 @@ class Job:
 
     Attributes:
         prompt_ids: prompt token ids (checked against the context by the caller).
-        params: sampling parameters.
+        options: what the request asks for (sampling, drafting, log-probabilities, grammar, context
+            shift): a :class:`~gemmaspec.request.RequestOptions`; its ``p_min`` is set on the slot's
+            drafter for the request and the slot's own value restored when it ends.
         emit: called from the scheduler thread with ``("progress", {...})`` (only with
             ``progress``) and ``("events", [Event, ...])``, then exactly one of ``("done", job)`` or
             ``("error", (http_status, message))``; it must be thread-safe and
             must not block. A cancelled job gets nothing more.
-        n_max, n_min: draft length (int or "auto") and minimum proposal length for this request.
-        p_min: the slot drafter's ``p_min`` for this request (llama-server's ``speculative.p_min``,
-            0..1), None for the slot's own; the slot's value is restored when the request ends.
-        logprobs: None, or how many alternatives to report with each token's log-probability.
         name: request id used in logs and ``/slots`` (``cmpl-...``).
         endpoint: ``completions``, ``chat`` or ``completion`` (llama-server's native; a metrics label).
         want_slot: run only in this slot (llama-server's ``id_slot``); -1 for any.
@@ -61,13 +59,8 @@ class Job:
             ``cache_prompt``); the request goes to the free slot holding the longest one when it counts
             (:func:`pick_slot`), else (and without ``cache_prompt``) to the least recently used free
             slot, so another user's cached conversation is not evicted for a few shared template tokens.
-        constraint: None, or a fresh :class:`~gemmaspec.grammar.Constraint` the output must follow.
-        post_sampling: with ``logprobs``, probabilities in the sampling distribution instead
-            (llama-server's ``post_sampling_probs``).
         progress: emit ``("progress", {"total", "cache", "processed", "time_ms"})`` before and after
             each prefill chunk (llama-server's ``return_progress``).
-        n_keep, n_discard: context shift settings (llama-server's; used with ``--context-shift``, see
-            :class:`~gemmaspec.engine.RequestState`).
     After it ends, ``stop_word`` is the stop string that ended it ("" if none), ``cache_n`` the
     prompt tokens reused from the slot's cache (0: the whole prompt was prefilled) and ``n_cached``
     the tokens whose KV the slot keeps (llama-server's ``tokens_cached``: the prompt and the reply but
@@ -75,21 +68,13 @@ class Job:
     """
 
     prompt_ids: list[int]
-    params: SamplingParams
+    options: RequestOptions
     emit: Callable[[tuple], None]
-    n_max: int | str = 0
-    n_min: int = 0
-    logprobs: int | None = None
-    p_min: float | None = None
     name: str = ""
     endpoint: str = "completions"
     want_slot: int = -1
     cache_prompt: bool = True
-    constraint: object = None
-    post_sampling: bool = False
     progress: bool = False
-    n_keep: int = 0
-    n_discard: int = 0
     group: int | None = None  # the request it belongs to, when one request runs several jobs (n, prompts)
     stop_word: str = ""
     cache_n: int = 0
@@ -382,10 +367,8 @@ class Scheduler:
     def _admit(self, s: Slot) -> None:
         job = s.job
         try:
-            s.use_p_min(job.p_min)
-            job.state = RequestState(self.engine, job.prompt_ids, job.params, s.drafter, job.n_max, job.n_min,
-                                     job.stats, cache=s.cache, logprobs=job.logprobs, constraint=job.constraint,
-                                     post_sampling=job.post_sampling, n_keep=job.n_keep, n_discard=job.n_discard)
+            s.use_p_min(job.options.p_min)
+            job.state = RequestState(self.engine, job.prompt_ids, job.options, s.drafter, job.stats, cache=s.cache)
             # against the tokens the state runs (a context shift may have cut the prompt)
             reuse = common_prefix(s.cached, job.state.tokens) if job.cache_prompt else 0
             s.cached = []  # the cache changes from here on

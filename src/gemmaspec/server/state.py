@@ -59,8 +59,7 @@ def load_model(cfg: ServeConfig) -> tuple[LoadedModel, Callable]:
 
     t0 = time.perf_counter()
     path = Path(cfg.model) if cfg.model else default_model_path()
-    engine = load_engine(path, ctx_size=cfg.ctx_size, device=cfg.device, threads=cfg.threads,
-                         context_shift=cfg.context_shift)
+    engine = load_engine(path, ctx_size=cfg.ctx_size, device=cfg.device, threads=cfg.threads)
     if cfg.chat_template is not None:
         engine.tokenizer.chat_template = cfg.chat_template
     drafter_plan = plan(cfg.spec, path)

@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from ..kernels import ops_on_one_thread
+from ..models.base import PREFILL_CHUNK
 from ..sampling import argmax
 
 
@@ -207,8 +208,8 @@ class DraftModelDrafter:
         # run everything but the last token, then each draft step feeds the previous choice
         pending = toks[common:]
         if len(pending) > 1:
-            for i in range(0, len(pending) - 1, 256):
-                self.model.forward(torch.tensor(pending[i:min(i + 256, len(pending) - 1)]), self.cache)
+            for i in range(0, len(pending) - 1, PREFILL_CHUNK):
+                self.model.forward(torch.tensor(pending[i:min(i + PREFILL_CHUNK, len(pending) - 1)]), self.cache)
             self.done.extend(pending[:-1])
         last = toks[-1]
         drafts: list[int] = []
