@@ -23,7 +23,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from .errors import InputError
-from .models.base import PREFILL_CHUNK
+from .models.base import MAX_ROLLBACK, PREFILL_CHUNK
 from .request import RequestOptions
 from .sampling import Sampler, SamplingParams, ban_end_of_generation, filtered_probs
 from .speculative.adaptive import AdaptiveDraftLength
@@ -451,7 +451,7 @@ class Engine:
     Context shift is a request's choice (:attr:`~gemmaspec.request.RequestOptions.context_shift`).
     """
 
-    def __init__(self, model, tokenizer: GemmaTokenizer, ctx_size: int = 4096, max_rollback: int = 16,
+    def __init__(self, model, tokenizer: GemmaTokenizer, ctx_size: int = 4096, max_rollback: int = MAX_ROLLBACK,
                  model_path=None):
         self.model, self.tokenizer, self.ctx_size = model, tokenizer, ctx_size
         self.model_path = model_path

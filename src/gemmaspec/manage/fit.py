@@ -33,10 +33,9 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..kernels.memory import fmt_bytes, kv_cache_bytes, runtime_bytes, tensor_bytes
+from ..models.base import MAX_ROLLBACK, PREFILL_CHUNK
 from ..models.footprint import kv_layers, step_work_bytes
 
-MAX_ROLLBACK = 16  # engine default
-PREFILL_CHUNK = 256  # engine.PREFILL_CHUNK
 
 
 @dataclass(frozen=True)

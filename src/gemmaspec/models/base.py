@@ -46,6 +46,9 @@ class CausalLM(Protocol):
 
 FEW_ROWS = 64  # a forward of at most this many rows runs PyTorch's ops on one thread
 
+MAX_ROLLBACK = 16
+"""Tokens a KV cache can take back after a verify forward (the engine's default): the rows of the largest
+verify forward, ``MAX_DRAFT_TOKENS`` + 1."""
 PREFILL_CHUNK = 256
 """Most tokens one forward runs when a prompt (or any run of known tokens) goes through a model: the
 engine's prefill and a draft model's catch-up both run in chunks of this many, which bounds one

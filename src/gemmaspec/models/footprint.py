@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from ..kernels.memory import CUDA_CONTEXT_BYTES, DeviceMemory, kv_cache_bytes, layout_bytes, work_bytes
+from .base import MAX_ROLLBACK, PREFILL_CHUNK
 from .config import Gemma3Config, Gemma4AssistantConfig, Gemma4Config
 
 
@@ -118,7 +119,7 @@ def step_work_bytes(config: Gemma3Config | Gemma4Config | Gemma4AssistantConfig,
 
 def device_memory(config: Gemma4Config | Gemma4AssistantConfig, context: int,
                   types: str | Mapping[str, str] | Callable[[str, tuple[int, ...]], str] = "Q4_0",
-                  tied: bool = True, max_rollback: int = 16, chunk: int = 256, dense: bool = False) -> DeviceMemory:
+                  tied: bool = True, max_rollback: int = MAX_ROLLBACK, chunk: int = PREFILL_CHUNK, dense: bool = False) -> DeviceMemory:
     """Device bytes of a Gemma 4 target or assistant at ``context`` positions.
 
     Args:
@@ -128,7 +129,7 @@ def device_memory(config: Gemma4Config | Gemma4AssistantConfig, context: int,
             name → type.
         tied: see :func:`tensor_shapes`.
         max_rollback: the cache's rollback rows (the engine's default).
-        chunk: prefill tokens per forward (``engine.PREFILL_CHUNK``).
+        chunk: prefill tokens per forward (``models.base.PREFILL_CHUNK``).
         dense: count every matrix as float32 instead (the layout before the device weights).
 
     Raises:
