@@ -66,8 +66,3 @@ class SpecConfig:
             raise InputError(f"n-gram sizes need 1 <= min <= max (got --spec-ngram-min {self.ngram_min}, "
                              f"--spec-ngram-size {self.ngram_size})")
         return replace(self, type=spec_type, n_max=parse_n_max(self.n_max))
-
-    @property
-    def off(self) -> bool:
-        """True when the user turned speculation off (``--spec-type none`` or ``--spec-draft-n-max 0``)."""
-        return self.type == "none" or self.n_max == 0

@@ -59,11 +59,6 @@ class DrafterPlan:
         """``draft-mtp`` or ``draft-simple`` when a model drafts, else None."""
         return spec_model_type(self.spec_type)
 
-    @property
-    def drafts(self) -> bool:
-        """False when nothing is ever drafted (``none``, or draft length 0)."""
-        return self.spec_type != "none" and self.spec.n_max != 0
-
     def line(self) -> str:
         """One short sentence for stderr or the log: which drafter, the draft length, and which file."""
         if self.spec_type == "none":
