@@ -247,9 +247,12 @@ def test_without_cache_and_for_an_assistant_nothing_is_written(tmp_path, home):
 
 _MEASURE = """
 import json, os, sys, time
+import logging
 import torch
 from gemmaspec.kernels import load_library
 from gemmaspec.loading import load_checkpoint
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")  # the library's notes, as a program shows them
 
 def rss():
     try:

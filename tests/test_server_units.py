@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from gemmaspec.request import RequestOptions
 from gemmaspec.sampling import SamplingParams
 from gemmaspec.speculative.config import SpecConfig
 from gemmaspec.server import jobs
@@ -122,7 +123,7 @@ def test_pick_slot_prefers_the_longest_shared_prefix():
 
 # -- admission -------------------------------------------------------------------------------------------
 def job(group=None, want_slot=-1, ids=(1, 2, 3)) -> Job:
-    return Job(list(ids), SamplingParams(), emit=lambda item: None, group=group, want_slot=want_slot)
+    return Job(list(ids), RequestOptions(SamplingParams()), emit=lambda item: None, group=group, want_slot=want_slot)
 
 
 def scheduler(n_slots: int, running=(), queued=()) -> Scheduler:
@@ -408,10 +409,12 @@ def test_submit_builds_the_job_from_the_request():
 
     j, item = asyncio.run(go())
     assert st.scheduler.submitted == [j]
-    assert (j.prompt_ids, j.n_max, j.n_min, j.logprobs, j.p_min, j.name, j.endpoint, j.want_slot) == \
+    o = j.options
+    assert (j.prompt_ids, o.n_max, o.n_min, o.logprobs, o.p_min, j.name, j.endpoint, j.want_slot) == \
         ([1, 2], 2, 0, 3, None, "cmpl-abc", "completion", 1)
-    assert (j.cache_prompt, j.post_sampling, j.progress, j.n_keep, j.n_discard, j.group) == \
+    assert (j.cache_prompt, o.post_sampling, j.progress, o.n_keep, o.n_discard, j.group) == \
         (False, True, True, 7, 4, 9)
+    assert o.context_shift is False and o.params == SamplingParams()
     assert item == (4, ("done", j))  # tagged with its choice
 
 
@@ -428,4 +431,4 @@ def test_submit_refuses_long_prompts_and_a_stopped_scheduler():
     asyncio.run(jobs.submit(st, completion(n_keep=-1), "completions", [1], SamplingParams(), None, None,
                             asyncio.Queue()))
     j = st.scheduler.submitted[0]
-    assert j.n_keep == -1 and j.progress is False and j.name.startswith("cmpl-") and j.cache_prompt is True
+    assert j.options.n_keep == -1 and j.progress is False and j.name.startswith("cmpl-") and j.cache_prompt is True
