@@ -113,8 +113,26 @@ def test_no_flags_export_gemmaspecs_default_speculation(capsys, model_path):
     assert not rest
     assert (ns.spec_type, ns.md, ns.spec_draft_p_min) == (pl.spec_type, pl.draft_file, pl.p_min)
     assert pl.spec_type == "ngram-simple,draft-mtp" and pl.p_min > 0
-    assert _run(capsys, "llama-server", "-m", str(model_path), "--spec-type", "none") == \
-        ["llama-server", "-m", str(model_path), "--port", "8080", "-np", "1"]
+    assert _run(capsys, "llama-server", "-m", str(model_path), "--spec-type", "none", "-np", "3") == \
+        ["llama-server", "-m", str(model_path), "--port", "8080", "-np", "3", "-c", str(3 * 4096)]  # 4096 per slot
+
+
+def test_export_refuses_what_generate_refuses_and_says_what_it_drops(capsys, tmp_path, model_path):
+    """A missing file or an assistant as -m: one error line and no command (it printed one); settings the
+    other server cannot take are named on stderr; a refused export prints no note before its error."""
+    from gemmaspec.manage.shipped import shipped_assistant
+
+    for m in (str(tmp_path / "missing.gguf"), shipped_assistant(model_path)):
+        assert cli.main(["export", "llama-server", "-m", m]) == 1
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.startswith("error: ") and len(out.err.strip().splitlines()) == 1, out.err
+    assert cli.main(["export", "vllm"]) == 1  # the default model is a GGUF: vLLM needs a checkpoint
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "need a Hugging Face checkpoint" in err[0], err
+    argv = _run(capsys, "llama-server", "--spec-type", "ngram-simple", "--spec-ngram-size", "3",
+                "--spec-draft-n-min", "2")
+    assert argv[argv.index("--spec-draft-n-min") + 1] == "2"
+    assert "note: llama-server gets no --spec-ngram-size 3 / --spec-ngram-min 1" in capsys.readouterr().err
 
 
 def test_md_of_the_wrong_role_is_refused(capsys, dirs, model_path):

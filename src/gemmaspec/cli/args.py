@@ -243,6 +243,22 @@ def spec_plan(args):
     return plan(spec_config(args), args.model)
 
 
+def read_target(model):
+    """The metadata of the target ``model`` (a resolved path; None: the default model), read before
+    anything is loaded or listened on.
+
+    Raises:
+        ModelFileError: a missing or unreadable file.
+        InputError: an assistant given as the target.
+    """
+    from ..manage.fit import read_model
+
+    info = read_model(model)
+    if info.role != "target":
+        raise InputError(f"{info.path} is an assistant ({info.arch}); pass it as -md and its target as -m")
+    return info
+
+
 def memory_estimate(args, drafter_plan, slots: int = 1, caches: int | None = None):
     """``fit``'s estimate for ``args``' model and the drafter of ``drafter_plan`` on ``args.device``
     (refused when it does not fit), or None where it cannot be made before loading (CUDA absent, an

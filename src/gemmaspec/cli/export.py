@@ -23,7 +23,7 @@ import sys
 
 from ..errors import InputError
 from ..speculative.options import spec_model_type
-from .args import add_spec, resolve_models, spec_config
+from .args import add_spec, read_target, resolve_models, spec_config
 
 TARGETS = ("llama-server", "vllm", "sglang")
 GPU_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
@@ -106,7 +106,11 @@ def build_command(args) -> list[str]:
     from ..manage.fit import parse_mem, read_model
     from ..speculative.plan import plan
 
+    notes: list[str] = []  # said on stderr once the command is known to be printed
     given = args.spec_type is not None or args.model_draft is not None
+    target_info = read_target(args.model)  # a missing, unreadable or assistant file is refused as generate does
+    if args.parallel < 1:
+        raise InputError(f"-np must be at least 1 (got {args.parallel})")
     drafter_plan = plan(spec_config(args), args.model)
     n, spec = drafter_plan.spec.n_max, drafter_plan.spec_type
     if n == "auto":
@@ -125,11 +129,15 @@ def build_command(args) -> list[str]:
             raise InputError(f"{args.server} takes one speculative method; a list (--spec-type {spec}) is "
                              f"llama-server's and gemmaspec's: export one of {spec.replace(',', ', ')}")
         spec = "ngram-simple"  # gemmaspec's default list; its shipped assistant is gemmaspec's own format
-        print(f"note: {args.server} takes one speculative method and cannot load gemmaspec's shipped assistant: "
-              f"exporting ngram-simple (gemmaspec runs {drafter_plan.spec_type})", file=sys.stderr)
+        notes.append(f"{args.server} takes one speculative method and cannot load gemmaspec's shipped assistant: "
+                     f"exporting ngram-simple (gemmaspec runs {drafter_plan.spec_type})")
     draft_file = drafter_plan.draft_file if spec_model_type(spec) else None
-    if args.parallel < 1:
-        raise InputError(f"-np must be at least 1 (got {args.parallel})")
+    dropped = _dropped(args.server, spec, drafter_plan)
+    if dropped:
+        notes.append(f"{args.server} gets no {', '.join(dropped)}: it has no flag for "
+                     f"{'it' if len(dropped) == 1 else 'them'} here (its own defaults apply)")
+    ctx = args.ctx_size if args.ctx_size else target_info.context_length if args.ctx_size == 0 \
+        else min(4096, target_info.context_length)
     if args.server == "llama-server":
         from ..manage.default_model import default_model_path
 
@@ -138,19 +146,22 @@ def build_command(args) -> list[str]:
             if p and not str(p).endswith(".gguf"):
                 raise InputError(f"llama-server loads GGUF files; {flag} {p} is not one: convert it first "
                                  f"(gemmaspec convert {p} OUT.gguf)")
-        cmd = ["llama-server", "-m", str(model), "--port", str(args.port), "-np", str(args.parallel)]
-        if args.ctx_size is not None:
-            cmd += ["-c", str(args.ctx_size * args.parallel)]  # llama-server's -c is shared by the slots
+        cmd = ["llama-server", "-m", str(model), "--port", str(args.port), "-np", str(args.parallel),
+               "-c", str(ctx * args.parallel)]  # llama-server's -c is shared by the slots: gemmaspec's per slot
         if spec != "none":
             cmd += ["--spec-type", spec, "--spec-draft-n-max", str(n)]
+            if drafter_plan.spec.n_min:
+                cmd += ["--spec-draft-n-min", str(drafter_plan.spec.n_min)]
             if draft_file:
                 cmd += ["-md", str(draft_file)]
                 if drafter_plan.p_min:
                     cmd += ["--spec-draft-p-min", f"{drafter_plan.p_min:g}"]
+        _say(notes)
         return cmd
     target = _name_for_vllm(args.model, args.model, args.target_entry)
     draft = _name_for_vllm(draft_file, draft_file, args.draft_entry) if draft_file else None
-    total, heads, ctx = _gpu_estimate(args.model, draft_file, args.ctx_size, args.parallel)
+    _say(notes)
+    total, heads, ctx = _gpu_estimate(args.model, draft_file, ctx, args.parallel)
     tp = tensor_parallel(total, parse_mem(args.gpu_mem), heads)
     if args.server == "vllm":
         cmd = ["vllm", "serve", target, "--port", str(args.port), "--max-model-len", str(ctx),
@@ -175,6 +186,23 @@ def build_command(args) -> list[str]:
     elif spec == "ngram-simple":
         cmd += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(n + 1)]
     return cmd
+
+
+def _dropped(server: str, spec: str, drafter_plan) -> list[str]:
+    """The speculative settings ``server``'s exported command cannot carry (named as gemmaspec's flags)."""
+    s, out = drafter_plan.spec, []
+    if "ngram-simple" in spec and server == "llama-server" and (s.ngram_size, s.ngram_min) != (4, 1):
+        out.append(f"--spec-ngram-size {s.ngram_size} / --spec-ngram-min {s.ngram_min}")
+    if server != "llama-server" and s.n_min:
+        out.append(f"--spec-draft-n-min {s.n_min}")
+    if server != "llama-server" and spec_model_type(spec) and drafter_plan.p_min:
+        out.append(f"--spec-draft-p-min {drafter_plan.p_min:g}")
+    return out
+
+
+def _say(notes: list[str]) -> None:
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
 
 
 def run(args) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..errors import InputError
 from .args import add_spec
 
 
@@ -80,12 +79,10 @@ def run_fit(args) -> int:
         InputError: an assistant given as -m, bad flags.
     """
     from ..manage.fit import device_and_free, estimate, read_model
-    from .args import spec_plan
+    from .args import read_target, spec_plan
 
     plan = spec_plan(args)  # names resolved to paths; the drafter generate and serve would load
-    target = read_model(args.model)
-    if target.role != "target":
-        raise InputError(f"{target.path} is an assistant ({target.arch}); pass it as -md and its target as -m")
+    target = read_target(args.model)
     device, free = device_and_free(args.device)
     draft = read_model(plan.draft_file) if plan.draft_file else None
     est = estimate(target, draft, args.ctx_size, args.parallel, device, free)

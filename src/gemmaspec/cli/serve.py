@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError, ModelFileError
-from .args import add_common, add_spec, memory_estimate, refuse, sampling_params, seed_arg, setup_logging, spec_plan
+from .args import (add_common, add_spec, memory_estimate, read_target, refuse, sampling_params, seed_arg,
+                   setup_logging, spec_plan)
 
 LLAMA_FLAGS_REFUSED_SERVE = {
     ("-cb", "--cont-batching", "-nocb", "--no-cont-batching"): "the -np slots are always batched together",
@@ -166,6 +167,7 @@ def serve(args) -> int:
         raise InputError("--api-key must not be empty")
     for flag, path in (("-m", args.model), ("-md", args.model_draft)):
         _check_readable(flag, path)
+    read_target(args.model)  # an assistant as -m is refused before listening
     # the slots' caches, plus the engine's own (allocated, never written by serve: it costs device memory
     # on CUDA, not resident memory on the CPU)
     est = memory_estimate(args, drafter_plan, args.parallel, args.parallel + (1 if args.device == "cuda" else 0))

@@ -43,8 +43,9 @@ def load_checkpoint(path: str | os.PathLike | None, device: torch.device | str =
     p = Path(path) if path else default_model_path()
     loaded = load_hf_dir(p) if p.is_dir() else load_gguf(p, use_cache=use_cache)
     if role is not None and loaded.arch.role != role:
-        what = "an assistant (drafter)" if loaded.arch.role == "assistant" else "a target model"
-        raise InputError(f"{p} is {what} ({loaded.arch.name}), not {'a target model' if role == 'target' else 'an assistant'}; "
+        what = "an assistant (a drafter" if loaded.arch.role == "assistant" else "a target model ("
+        sep = ", " if loaded.arch.role == "assistant" else ""
+        raise InputError(f"{p} is {what}{sep}{loaded.arch.name}), not {'a target model' if role == 'target' else 'an assistant'}; "
                          f"{_ROLE_HINT[loaded.arch.role]}")
     if loaded.arch.role == "target" and role == "target" and loaded.tokenizer is None:
         raise ModelFileError(f"{p} has no tokenizer.json; gemmaspec needs the checkpoint's tokenizer to generate text")

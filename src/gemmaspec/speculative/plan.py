@@ -64,9 +64,12 @@ class DrafterPlan:
         if self.spec_type == "none":
             return "speculation: off"
         text = f"speculation: {self.spec_type}, n-max {self.spec.n_max}"
+        if self.spec.n_max == 0:
+            text += " (nothing is drafted at draft length 0)"
         if self.draft_file:
-            whose = " the assistant shipped for this model" if self.shipped else ""
-            text += f", with{whose} ({Path(self.draft_file).name}, p-min {self.p_min:g})"
+            whose = ("the assistant shipped for this model" if self.shipped
+                     else "the assistant" if self.model_type == "draft-mtp" else "the draft model")
+            text += f", with {whose} ({Path(self.draft_file).name}, p-min {self.p_min:g})"
         return text
 
 
