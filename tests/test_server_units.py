@@ -22,7 +22,7 @@ from gemmaspec.server import jobs
 from gemmaspec.server.apierror import APIError
 from gemmaspec.server.config import ServeConfig
 from gemmaspec.server.deps import PUBLIC_PATHS, given_key, key_required
-from gemmaspec.server.parse import ChatRequest, CompletionRequest, NativeCompletionRequest, validate
+from gemmaspec.server.parse import ChatRequest, CompletionRequest, NativeCompletionRequest, utf8_text, validate
 from gemmaspec.server.responses import (TokenText, _at_path, _MISSING, generation_settings, logit_bias_json, sse,
                                         sse_error, usage_of)
 from gemmaspec.server.scheduler import SLOT_SIMILARITY, Job, Scheduler, Slot, common_prefix, pick_slot
@@ -333,6 +333,35 @@ def test_api_key_rule():
     for path in ("/", "/health", "/v1/health", "/v1/models", "/models"):
         assert path in PUBLIC_PATHS and not key_required("k", path, {})
     assert key_required("k", "/slots", {}) and key_required("k", "/health/", {})
+
+
+@pytest.mark.parametrize("raw,needles", [
+    (b'{"prompt": "caf\xe9"}', ("e9 at byte 15", "cut short", "Latin-1")),
+    (b'{"prompt": "\xe2\x82"}', ("e2 82 at byte 12", "cut short")),
+    (b'{"prompt": "\xed\xa0\x80"}', ("ed a0 80 at byte 12", "surrogate")),
+    (b'{"stop": ["\xed\xbf\xbf"]}', ("ed bf bf at byte 11", "surrogate")),
+    (b'{"prompt": "\x80"}', ("80 at byte 12", "continuation byte")),
+    (b'{"prompt": "\xc0\xaf"}', ("c0 at byte 12", "never uses")),
+    (b'{"prompt": "\xf4\x90\x80\x80"}', ("f4 90 at byte 12", "out-of-range")),
+    (b'\xef\xbb\xbf{"p": "\xe9"}', ("e9 at byte 10",)),  # the offset counts the byte-order mark
+])
+def test_a_body_that_is_not_utf8_is_a_400_naming_the_bytes(raw, needles):
+    with pytest.raises(APIError) as e:
+        utf8_text(raw)
+    assert e.value.status == 400 and "not valid UTF-8" in e.value.message
+    for n in needles:
+        assert n in e.value.message, e.value.message
+
+
+def test_utf8_text_reads_what_json_loads_reads():
+    """Valid UTF-8 (with or without a byte-order mark) and UTF-16 / UTF-32 bodies read as before;
+    a UTF-16 body's lone surrogate is refused too."""
+    text = '{"prompt": "caf\u00e9 \u20ac \U0001f600"}'
+    for raw in (text.encode(), b"\xef\xbb\xbf" + text.encode(), text.encode("utf-16"), text.encode("utf-16-le"),
+                text.encode("utf-32")):
+        assert utf8_text(raw) == text and json.loads(utf8_text(raw)) == json.loads(raw)
+    with pytest.raises(APIError, match="UTF-16"):
+        utf8_text('{"a": "\ud800"}'.encode("utf-16-le", "surrogatepass"))
 
 
 # -- responses ---------------------------------------------------------------------------------------------

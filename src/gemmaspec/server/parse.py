@@ -211,7 +211,7 @@ def _depth_ok(obj, limit: int) -> bool:
     return True
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -233,24 +233,75 @@ def _lone_surrogate(obj) -> str | None:
     return None
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
+def _utf8_problem(raw: bytes, exc: UnicodeDecodeError) -> tuple[bytes, str]:
+    """The bytes at fault in ``raw`` (where ``exc`` found them) and what is wrong with them, in words."""
+    b = raw[exc.start:exc.start + 3]
+    if len(b) >= 2 and b[0] == 0xED and 0xA0 <= b[1] <= 0xBF:
+        return b, "an encoded UTF-16 surrogate (U+D800-U+DFFF are not characters)"
+    bad = raw[exc.start:exc.end]
+    if 0x80 <= b[0] <= 0xBF:
+        return bad, "a continuation byte without its lead byte (text in another encoding, such as Latin-1?)"
+    if b[0] in (0xC0, 0xC1) or b[0] >= 0xF5:
+        return bad, "a byte UTF-8 never uses (text in another encoding, such as Latin-1?)"
+    if exc.end - exc.start == 1 and len(b) >= 2 and 0x80 <= b[1] <= 0xBF:  # the lead refuses this 2nd byte
+        return raw[exc.start:exc.start + 2], "an overlong or out-of-range sequence (not a character)"
+    if exc.reason == "unexpected end of data" or "continuation" in exc.reason:
+        return bad, ("a multi-byte sequence cut short (a character split, or text in another encoding, "
+                     "such as Latin-1?)")
+    return bad, exc.reason  # anything else, in Python's words
+
+
+def utf8_text(raw: bytes) -> str:
+    """``raw`` decoded strictly as UTF-8, as ``json.loads`` of bytes reads it but without letting
+    encoded surrogates through: a leading byte-order mark is skipped, and a UTF-16 or UTF-32 body
+    (which ``json.loads`` recognises by its first bytes) is decoded strictly in its encoding.
+
+    Raises:
+        APIError: 400 naming the first bytes that are not UTF-8 (Latin-1 text, a cut multi-byte
+            sequence, an encoded surrogate), where they are and what is wrong with them.
+    """
+    enc = json.detect_encoding(raw)
+    if enc.startswith(("utf-16", "utf-32")):
+        try:
+            return raw.decode(enc)
+        except UnicodeDecodeError as exc:
+            raise APIError(400, f"the request body is not valid {enc.upper()} (at byte {exc.start}: "
+                                f"{exc.reason}); send JSON as UTF-8") from None
+    skip = len(_BOM) if raw.startswith(_BOM) else 0
+    try:
+        return raw[skip:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad, why = _utf8_problem(raw[skip:], exc)
+        raise APIError(400, f"the request body is not valid UTF-8: {bad.hex(' ')} at byte {skip + exc.start}: "
+                            f"{why}; send JSON as UTF-8") from None
+
+
 async def json_body(request: Request) -> dict:
     """The request body as a JSON object.
 
+    The bytes are decoded strictly as UTF-8 first (JSON's encoding, RFC 8259; a leading byte-order
+    mark is skipped): ``json.loads`` of bytes would let an encoded surrogate (``b"\\xed\\xa0\\x80"``)
+    through, and every string the engine sees must encode back to UTF-8.
+
     Raises:
-        APIError: 400 for a body that is not JSON, not an object, nested deeper than ``MAX_JSON_DEPTH``,
-            or holding a lone surrogate (``"\\ud800"``: Python reads it, no tokenizer or encoder can).
+        APIError: 400 for a body that is not UTF-8, not JSON, not an object, nested deeper than
+            ``MAX_JSON_DEPTH``, or holding a lone surrogate (``"\\ud800"``: Python reads it, no
+            tokenizer or encoder can).
     """
-    raw = await request.body()
+    text = utf8_text(await request.body())
     try:
-        body = json.loads(raw)
+        body = json.loads(text)
     except RecursionError:
         body = None
     except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON ({exc})") from None
-    if body is None and raw.strip() != b"null" or not _depth_ok(body, MAX_JSON_DEPTH):
+    if body is None and text.strip() != "null" or not _depth_ok(body, MAX_JSON_DEPTH):
         raise APIError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels of arrays "
                             "and objects)")
-    if _SURROGATE_ESCAPE.search(raw):  # only an escape can carry one: raw UTF-8 cannot
+    if _SURROGATE_ESCAPE.search(text):  # only an escape can carry one: strict UTF-8 cannot
         where = _lone_surrogate(body)
         if where is not None:
             raise APIError(400, f"the request body is not valid Unicode: a string{where} holds a lone UTF-16 "
