@@ -1,5 +1,6 @@
 """Trust at the edges (issue 33): a request body that is not UTF-8 is a 400 naming the problem on every
-route that reads a JSON body, streamed or not. Runs on the session server."""
+route that reads a JSON body, streamed or not, and prompt-cache hits are visible as OpenAI's
+``usage.prompt_tokens_details.cached_tokens`` (= ``timings.cache_n``). Runs on the session server."""
 
 from __future__ import annotations
 
@@ -86,3 +87,63 @@ def test_the_server_answers_good_requests_after_bad_bytes(server):
     assert resp.status_code == 200 and lines[-1] == "data: [DONE]"
     assert _post_raw(server, "/tokenize", '{"content": "caf\u00e9"}'.encode()).json()["tokens"]
     assert _post_raw(server, "/tokenize", b'\xef\xbb\xbf{"content": "x"}').status_code == 200  # a BOM, as before
+
+
+# -- prompt-cache hits in usage --------------------------------------------------------------------------
+FIRST = ("Here is a list of fruit, one per line, to remember for later: apples, pears, plums, figs, "
+         "cherries, grapes, lemons, limes, oranges, peaches, apricots, mangoes, melons, kiwis. "
+         "Say only: noted.")
+
+
+def _cached(usage: dict) -> int:
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def _stream(srv, path, body) -> list[dict]:
+    with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def _check_streamed(chunks: list[dict], include_usage: bool) -> int:
+    """The one usage of a stream (in the finishing chunk, or a last chunk of its own with
+    include_usage), checked against the last chunk's timings; its cached_tokens."""
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert len(usage) == 1 and "timings" in chunks[-1]
+    assert chunks[-1]["usage"] == usage[0] and (chunks[-1]["choices"] == []) == include_usage
+    assert _cached(usage[0]) == chunks[-1]["timings"]["cache_n"] < usage[0]["prompt_tokens"]
+    return _cached(usage[0])
+
+
+def test_chat_reports_cached_tokens_as_timings_cache_n(server):
+    """Turn 1 (not reusing the cache) reports 0; turn 2 repeats turn 1's conversation and reuses its
+    prompt from the slot: cached_tokens > 0, equal to timings.cache_n, whole and streamed."""
+    path, turn1 = "/v1/chat/completions", [{"role": "user", "content": FIRST}]
+    r1 = httpx.post(server.url + path, json={"messages": turn1, "max_tokens": 4, "cache_prompt": False},
+                    timeout=120).json()
+    assert _cached(r1["usage"]) == 0 == r1["timings"]["cache_n"]
+    n1 = r1["usage"]["prompt_tokens"]
+    turn2 = turn1 + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Which came third?"}]
+    r2 = httpx.post(server.url + path, json={"messages": turn2, "max_tokens": 4}, timeout=120).json()
+    assert n1 // 2 < _cached(r2["usage"]) == r2["timings"]["cache_n"] < r2["usage"]["prompt_tokens"], r2
+    body = {"messages": turn2 + [{"role": "assistant", "content": "pears"}, {"role": "user", "content": "And?"}],
+            "max_tokens": 4}
+    assert _check_streamed(_stream(server, path, {**body, "stream_options": {"include_usage": True}}), True) > n1 // 2
+    assert _check_streamed(_stream(server, path, body), False) > n1 // 2  # usage in the finishing chunk
+    assert "usage" not in _stream(server, path, {**body, "stream_options": {"include_usage": False}})[-1]
+
+
+def test_completions_report_cached_tokens(server):
+    path = "/v1/completions"
+    r1 = httpx.post(server.url + path, json={"prompt": FIRST, "max_tokens": 2, "cache_prompt": False},
+                    timeout=120).json()
+    assert _cached(r1["usage"]) == 0 == r1["timings"]["cache_n"]
+    body = {"prompt": FIRST + " Noted. Now say: done.", "max_tokens": 2}
+    r2 = httpx.post(server.url + path, json=body, timeout=120).json()
+    assert r1["usage"]["prompt_tokens"] // 2 < _cached(r2["usage"]) == r2["timings"]["cache_n"]
+    assert _check_streamed(_stream(server, path, {**body, "stream_options": {"include_usage": True}}), True) > 0
+    n2 = httpx.post(server.url + path, json={**body, "n": 2}, timeout=120).json()  # each prompt once
+    assert _cached(n2["usage"]) == n2["timings"]["cache_n"] <= n2["usage"]["prompt_tokens"]

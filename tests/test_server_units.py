@@ -368,12 +368,14 @@ def test_utf8_text_reads_what_json_loads_reads():
 def test_usage_counts_each_prompt_once():
     shared, other = [1, 2, 3], [4, 5]
     jobs_ = []
-    for ids, prompt_n, gen in ((shared, 3, 4), (shared, 3, 6), (other, 2, 1)):
+    for ids, prompt_n, gen, cached in ((shared, 3, 4, 2), (shared, 3, 6, 0), (other, 2, 1, 1)):
         j = job(ids=())
         j.prompt_ids = ids
-        j.stats.prompt_tokens, j.stats.generated_tokens = prompt_n, gen
+        j.stats.prompt_tokens, j.stats.generated_tokens, j.cache_n = prompt_n, gen, cached
         jobs_.append(j)
-    assert usage_of(jobs_) == {"prompt_tokens": 5, "completion_tokens": 11, "total_tokens": 16}
+    assert usage_of(jobs_) == {"prompt_tokens": 5, "completion_tokens": 11, "total_tokens": 16,
+                               "prompt_tokens_details": {"cached_tokens": 3}}  # each prompt's first choice
+    assert usage_of(jobs_[1:2])["prompt_tokens_details"] == {"cached_tokens": 0}  # nothing reused: 0, not absent
 
 
 def test_token_text_byte_tokens_and_repeated_keys():

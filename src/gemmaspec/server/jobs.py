@@ -24,7 +24,7 @@ from ..request import RequestOptions
 from ..sampling import SamplingParams
 from ..streaming import stop_matcher
 from .apierror import APIError
-from .responses import Formatter, NativeFormatter, sse, sse_error
+from .responses import Formatter, NativeFormatter, sse, sse_error, usage_dict
 from .scheduler import Job
 from .state import ServerState
 from .translate import check_context, spec_overrides
@@ -199,9 +199,12 @@ async def generate_n(st: ServerState, request: Request, req, kind: str, prompts:
         return got
     out = got[0]
     out["choices"] = [r["choices"][0] for r in got]
-    prompt = sum({id(p): r["usage"]["prompt_tokens"] for p, r in zip(prompts, got)}.values())
-    done = sum(r["usage"]["completion_tokens"] for r in got)
-    out["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    first: dict[int, dict] = {}  # each prompt counted once, by its first choice (as usage_of)
+    for p, r in zip(prompts, got):
+        first.setdefault(id(p), r["usage"])
+    out["usage"] = usage_dict(sum(u["prompt_tokens"] for u in first.values()),
+                              sum(r["usage"]["completion_tokens"] for r in got),
+                              sum(u["prompt_tokens_details"]["cached_tokens"] for u in first.values()))
     return out
 
 

@@ -316,11 +316,23 @@ def _usage(job: Job) -> dict:
 
 
 def usage_of(jobs: list[Job]) -> dict:
-    """OpenAI's ``usage`` for the choices of one request (n > 1: each prompt counted once; the choices
-    of one prompt share its id list)."""
-    prompt = sum({id(j.prompt_ids): j.stats.prompt_tokens for j in jobs}.values())
+    """OpenAI's ``usage`` for the choices of one request (n > 1: each prompt counted once, by the
+    first choice that runs it; the choices of one prompt share its id list), with
+    ``prompt_tokens_details.cached_tokens``: the prompt tokens reused from a slot's cache
+    (``timings.cache_n``; 0 when the whole prompt was prefilled), as OpenAI and llama-server report it."""
+    first: dict[int, Job] = {}
+    for j in jobs:
+        first.setdefault(id(j.prompt_ids), j)
     done = sum(j.stats.generated_tokens for j in jobs)
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    return usage_dict(sum(j.stats.prompt_tokens for j in first.values()), done,
+                      sum(j.cache_n for j in first.values()))
+
+
+def usage_dict(prompt: int, completion: int, cached: int) -> dict:
+    """``usage``: ``prompt_tokens`` (``cached`` of them reused from the cache), ``completion_tokens``,
+    ``total_tokens`` and ``prompt_tokens_details.cached_tokens``."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _progress_timings(progress: dict) -> dict:
