@@ -81,11 +81,56 @@ def checked(grammar: str, field: str, kind: str) -> Grammar:
     return Grammar(grammar, kind, field)
 
 
+# keywords whose value is one schema, a list of schemas, or a name → schema map (JSON Schema 2020-12
+# and draft 7); data keywords (const, enum, default, examples) are not walked
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+        "additionalProperties", "unevaluatedItems", "unevaluatedProperties")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_objects(schema, *, _part: bool = False):
+    """``schema`` with ``"additionalProperties": false`` on every object schema that lists
+    ``properties`` and says nothing of extra keys, as llama.cpp's json-schema-to-grammar reads a
+    missing ``additionalProperties`` (a small model otherwise adds keys that are not declared, such as
+    the schema's own keywords). A new schema; the argument is not changed.
+
+    Kept as they are: an explicit ``additionalProperties`` (``true`` or a schema) or
+    ``unevaluatedProperties``; objects without ``properties`` (free-form, as ``{"type": "object"}``);
+    schemas that hold part of one object's keys: the members of an ``allOf``, the ``anyOf``/``oneOf``
+    members of a schema with its own ``properties``, and a schema whose ``$ref`` or combined members
+    may declare keys of their own.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    has_props = isinstance(out.get("properties"), dict) or "patternProperties" in out
+    for k in _ONE:
+        if isinstance(out.get(k), dict):
+            out[k] = strict_objects(out[k])
+    for k in _LIST:
+        if isinstance(out.get(k), list):
+            part = k == "allOf" or (k in ("anyOf", "oneOf") and has_props)
+            out[k] = [strict_objects(s, _part=part) for s in out[k]]
+    for k in _MAP:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: strict_objects(s) for name, s in out[k].items()}
+    declares = ("properties", "patternProperties", "additionalProperties", "$ref", "allOf", "anyOf", "oneOf")
+    members = [m for k in ("allOf", "anyOf", "oneOf") if isinstance(schema.get(k), list) for m in schema[k]]
+    if (isinstance(out.get("properties"), dict) and not _part
+            and not any(k in out for k in ("additionalProperties", "unevaluatedProperties", "$ref"))
+            and not any(isinstance(m, dict) and any(k in m for k in declares) for m in members)):
+        out["additionalProperties"] = False
+    return out
+
+
 def json_schema_grammar(schema, field: str = "json_schema") -> Grammar:
     """A grammar for JSON text valid under ``schema`` (a dict, ``True``, or a JSON string of one).
 
-    ``{"type": "object"}`` is OpenAI's ``json_object``: any JSON object. Keywords the compiler does
-    not implement (an unknown ``format``) are errors, so every output validates.
+    ``{"type": "object"}`` is OpenAI's ``json_object``: any JSON object. An object schema with
+    ``properties`` and no ``additionalProperties`` allows only the keys it lists
+    (:func:`strict_objects`). Keywords the compiler does not implement (an unknown ``format``) are
+    errors, so every output validates.
 
     Raises:
         GrammarError: not a schema, or one the compiler rejects (the reason is llguidance's).
@@ -100,7 +145,7 @@ def json_schema_grammar(schema, field: str = "json_schema") -> Grammar:
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(field, f"a JSON schema is an object (got {type(schema).__name__})")
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(strict_objects(schema), overrides=_JSON_OPTIONS)
     except (ValueError, TypeError) as exc:
         raise GrammarError(field, str(exc)) from None
     return checked(grammar, field, "json_schema")

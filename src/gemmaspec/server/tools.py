@@ -30,7 +30,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from ..grammar import JSON_WHITESPACE, Grammar, GrammarError, checked, json_schema_grammar
+from ..grammar import JSON_WHITESPACE, Grammar, GrammarError, checked, json_schema_grammar, strict_objects
 from .apierror import APIError
 
 TOOL_RESULT_HEADER = "Tool result ({name}, id {id}):"
@@ -151,7 +151,7 @@ def tools_grammar(spec: ToolSpec) -> Grammar | None:
             return json_schema_grammar(schema, "tools")
         opts = json.dumps({"whitespace_pattern": JSON_WHITESPACE})
         lark = ("start: calls | TEXT\n"
-                f"calls: %json {{\"x-guidance\": {opts}, \"allOf\": [{json.dumps(schema)}]}}\n"
+                f"calls: %json {{\"x-guidance\": {opts}, \"allOf\": [{json.dumps(strict_objects(schema))}]}}\n"
                 "TEXT: /([^{][\\s\\S]*)?/\n")
         return checked(llguidance.LLMatcher.grammar_from_lark(lark), "tools", "lark")
     except GrammarError as exc:
