@@ -5,6 +5,7 @@ restore / erase with ``--slot-save-path`` (501 without it); the Host check for a
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import time
@@ -116,6 +117,62 @@ def test_restore_refuses_a_file_that_is_not_a_slot(srv):
     (srv.save_dir / "junk.bin").write_bytes(b"not a slot")
     r = _post(srv, "/slots/0?action=restore", {"filename": "junk.bin"})
     assert r.status_code == 400 and "junk.bin" in r.json()["error"]["message"]
+
+
+# ---- slot files never leave --slot-save-path (issue 33: links planted in the directory) -----------------
+
+def _outside(srv, name, data=b"precious, not a slot"):
+    p = srv.save_dir.parent / name
+    p.write_bytes(data)
+    return p
+
+
+def test_save_refuses_a_symlink_at_the_slot_name_and_leaves_its_target_alone(srv):
+    target = _outside(srv, "outside-save.bin")
+    (srv.save_dir / "linked.bin").symlink_to(target)
+    r = _post(srv, "/slots/0?action=save", {"filename": "linked.bin"})
+    assert r.status_code == 400 and "linked.bin" in r.json()["error"]["message"], r.text
+    assert "symbolic link" in r.json()["error"]["message"]
+    assert target.read_bytes() == b"precious, not a slot"
+    assert (srv.save_dir / "linked.bin").is_symlink()
+    dangling = srv.save_dir.parent / "created-outside.bin"
+    (srv.save_dir / "dangling.bin").symlink_to(dangling)
+    assert _post(srv, "/slots/0?action=save", {"filename": "dangling.bin"}).status_code == 400
+    assert not dangling.exists()
+    assert not [p.name for p in srv.save_dir.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
+
+
+def test_save_never_writes_through_a_link_at_a_temporary_name(srv):
+    # the old temporary name was the slot's name + ".tmp"; temporary files are now created exclusively
+    # under random names, so a link planted at any other name is never opened
+    target = _outside(srv, "outside-tmp.bin")
+    (srv.save_dir / "fresh.bin.tmp").symlink_to(target)
+    r = _post(srv, "/slots/0?action=save", {"filename": "fresh.bin"})
+    assert r.status_code == 200, r.text
+    assert target.read_bytes() == b"precious, not a slot"
+    fresh = srv.save_dir / "fresh.bin"
+    assert fresh.is_file() and not fresh.is_symlink() and fresh.stat().st_size == r.json()["n_written"]
+    assert _post(srv, "/slots/0?action=restore", {"filename": "fresh.bin"}).status_code == 200  # round trip
+
+
+def test_restore_refuses_a_symlink_to_a_slot_file_outside(srv):
+    assert _post(srv, "/slots/0?action=save", {"filename": "real.bin"}).status_code == 200
+    outside = srv.save_dir.parent / "outside-slot.bin"
+    (srv.save_dir / "real.bin").rename(outside)  # a valid slot file, now outside the directory
+    (srv.save_dir / "pointer.bin").symlink_to(outside)
+    r = _post(srv, "/slots/0?action=restore", {"filename": "pointer.bin"})
+    assert r.status_code == 400 and "pointer.bin" in r.json()["error"]["message"], r.text
+    assert "symbolic link" in r.json()["error"]["message"]
+
+
+def test_save_and_restore_refuse_entries_that_are_not_regular_files(srv):
+    (srv.save_dir / "adir.bin").mkdir()
+    r = _post(srv, "/slots/0?action=save", {"filename": "adir.bin"})
+    assert r.status_code == 400 and "adir.bin" in r.json()["error"]["message"], r.text
+    assert not list((srv.save_dir / "adir.bin").iterdir())
+    os.mkfifo(srv.save_dir / "pipe.bin")  # opening a FIFO for reading would block the scheduler
+    r = httpx.post(srv.url + "/slots/0?action=restore", json={"filename": "pipe.bin"}, timeout=30)
+    assert r.status_code == 400 and "pipe.bin" in r.json()["error"]["message"], r.text
 
 
 def test_slot_actions_without_a_save_path_are_501():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from importlib import resources
-from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, Response
@@ -98,9 +97,9 @@ async def slot_action(id_slot: str, request: Request, st: ServerState = Depends(
         if action == "erase":
             fn = slot_files.erase
         else:
-            path = Path(cfg.slot_save_path) / slot_files.check_filename(body.get("filename"))
+            name = slot_files.check_filename(body.get("filename"))
             op = slot_files.save if action == "save" else slot_files.restore
-            fn = lambda s: op(s, path, st.model.path.name)  # noqa: E731
+            fn = lambda s: op(s, cfg.slot_save_path, name, st.model.path.name)  # noqa: E731
         return await asyncio.wrap_future(st.scheduler.slot_action(int(id_slot), fn))
     except GemmaspecError as exc:
         raise APIError(400, str(exc)) from None
