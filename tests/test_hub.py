@@ -114,3 +114,45 @@ def test_offline_answers_at_once_and_lists_the_cache(fake, monkeypatch):
             hub.pull("gemma-4-e4b-it-qat-gguf")
     finally:
         silent.close()
+
+
+@pytest.fixture
+def pinned_catalog(tmp_path, monkeypatch):
+    """The catalog with one entry's sha256 replaced (the published files cannot be served here)."""
+    import json
+
+    def use(name, data):
+        d = json.loads(catalog.CATALOG_FILE.read_text())
+        next(m for m in d["models"] if m["name"] == name)["sha256"] = hashlib.sha256(data).hexdigest()
+        f = tmp_path / "catalog.json"
+        f.write_text(json.dumps(d))
+        monkeypatch.setattr(catalog, "CATALOG_FILE", f)
+        catalog._load.cache_clear()
+    yield use
+    catalog._load.cache_clear()
+
+
+def test_seed_exact_pair_is_pulled_by_name_from_its_repositories(fake, pinned_catalog):
+    """``pull gemma-4-e2b-it-qat-q4_0-exact --with-assistant``: the exact target from the repo the seed
+    article links, the exact assistant from its recorded repository, the assistant's pinned sha256 checked."""
+    drafter = os.urandom(5000)
+    fake.add("xbill9/gemma-4-E2B-it-qat-q4_0-exact-gguf", {"gemma-4-E2B-it-qat-q4_0-exact.gguf": b"t" * 3000,
+                                                          "mmproj-x.gguf": b"m"})
+    fake.add("xbill9/gemma-4-E2B-it-qat-assistant-q4_0-exact-gguf",
+             {"gemma-4-E2B-it-qat-assistant-q4_0-exact.gguf": drafter})
+    with pytest.raises(ModelFileError) as exc:  # the published hash is pinned: other bytes are refused
+        hub.pull("gemma-4-e2b-it-qat-q4_0-exact", with_assistant=True)
+    assert catalog.get("gemma-4-e2b-it-qat-assistant-q4_0-exact").sha256 in str(exc.value)
+    pinned_catalog("gemma-4-e2b-it-qat-assistant-q4_0-exact", drafter)
+    target, assistant = hub.pull("gemma-4-e2b-it-qat-q4_0-exact", with_assistant=True)
+    assert target.path.name == "gemma-4-E2B-it-qat-q4_0-exact.gguf"
+    assert assistant.label.startswith("xbill9/gemma-4-E2B-it-qat-assistant-q4_0-exact-gguf:")
+    assert assistant.path.read_bytes() == drafter and assistant.sha256 == hashlib.sha256(drafter).hexdigest()
+
+
+def test_the_12b_tutorial_pair(fake):
+    fake.add("google/gemma-4-12B-it-qat-q4_0-gguf", {"gemma-4-12B-it-qat-q4_0.gguf": b"t" * 100})
+    fake.add("Janvitos/gemma-4-12B-it-qat-assistant-MTP-Q8_0-GGUF", {"assistant-Q8_0.gguf": b"a" * 100})
+    target, assistant = hub.pull("gemma-4-12b-it-qat-gguf", with_assistant=True)
+    assert assistant.label == "Janvitos/gemma-4-12B-it-qat-assistant-MTP-Q8_0-GGUF:assistant-Q8_0.gguf"
+    assert catalog.pair(catalog.get("gemma-4-12b-it-qat-assistant-mtp-q8_0")).name == "gemma-4-12b-it-qat-gguf"
