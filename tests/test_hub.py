@@ -156,3 +156,39 @@ def test_the_12b_tutorial_pair(fake):
     target, assistant = hub.pull("gemma-4-12b-it-qat-gguf", with_assistant=True)
     assert assistant.label == "Janvitos/gemma-4-12B-it-qat-assistant-MTP-Q8_0-GGUF:assistant-Q8_0.gguf"
     assert catalog.pair(catalog.get("gemma-4-12b-it-qat-assistant-mtp-q8_0")).name == "gemma-4-12b-it-qat-gguf"
+
+
+@pytest.mark.parametrize("spec,fail", [
+    ("gemma-4-e2b-it-qat-gguf", r"^GET /api/models/.*/tree/"),  # list_repo_files (it raised past the wrapper)
+    ("gemma-4-e2b-it-qat-gguf", r"^HEAD .*/resolve/"),  # hf_hub_download's metadata request
+    ("gemma-4-e2b-it-qat-gguf", r"^GET .*/resolve/"),  # the download itself
+    ("gemma-4-e2b-it-qat-assistant-q4_0-exact", r"/resolve/"),  # a catalog entry with one file
+    ("acme/m:m.gguf", r"/resolve/"),
+    ("gemma-4-e2b-it-qat", r"/api/models/"),  # a checkpoint directory: snapshot_download's listing
+    ("gemma-4-e2b-it-qat", r"^GET .*/resolve/"),  # ... and its files
+    ("acme/d", r"/api/models/"),
+])
+def test_network_failure_of_every_hub_call_is_one_error_line_soon(fake, capsys, spec, fail):
+    """A hub that drops the connection at each kind of call: ``pull`` exits 1 with one ``error:`` line
+    (no traceback, no retry chatter) after at most HUB_RETRIES retries of that request, in seconds
+    (huggingface_hub's own budget is 5 retries over 23 s; list_repo_files' failure was a traceback)."""
+    import time
+
+    gguf = {"gemma-4-E2B-it-qat-q4_0.gguf": b"g" * 1000}
+    fake.add("google/gemma-4-E2B-it-qat-q4_0-gguf", gguf)
+    fake.add("xbill9/gemma-4-E2B-it-qat-assistant-q4_0-exact-gguf", {"gemma-4-E2B-it-qat-assistant-q4_0-exact.gguf": b"a"})
+    fake.add("acme/m", {"m.gguf": b"m" * 1000})
+    d = {"config.json": b'{"model_type": "x"}', "model.safetensors": b"s" * 1000}
+    fake.add("google/gemma-4-E2B-it-qat-q4_0-unquantized", d)
+    fake.add("acme/d", d)
+    fake.fail.append(fail)
+    t0 = time.monotonic()
+    assert cli.main(["pull", spec]) == 1
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "cannot reach the hub" in err[0], err
+    import re
+    failed = [f"{m} {p}" for m, p, _ in fake.requests if re.search(fail, f"{m} {p}")]
+    # each try may be sent twice: the HTTP client resends once on a kept-alive connection that drops
+    assert failed and max(failed.count(f) for f in set(failed)) <= 2 * (1 + hub.HUB_RETRIES), failed
+    assert took < 10, took
