@@ -113,7 +113,8 @@ def run_fit(args) -> int:
     from ..manage.fit import device_and_free, estimate, read_model
     from .args import read_target, spec_plan
 
-    plan = spec_plan(args)  # names resolved to paths; the drafter generate and serve would load
+    plan = spec_plan(args, metadata=True)  # names resolved to paths (a name not downloaded: its metadata from
+    # the hub, no weights); the drafter generate and serve would load
     target = read_target(args.model)
     device, free = device_and_free(args.device)
     draft = read_model(plan.draft_file) if plan.draft_file else None

@@ -416,6 +416,7 @@ def pull(spec: str, revision: str | None = None, sha256: str | None = None,
 def resolve(arg: str | None) -> tuple[str | None, Entry | None]:
     """What ``-m``/``-md`` ARG means: ``(path, catalog entry or None)``. An existing path stays as
     it is; a catalog name becomes its cached file or directory; None stays None (the default model).
+    (:func:`gemmaspec.manage.remote.resolve` turns a name not downloaded into its metadata instead.)
 
     Raises:
         InputError: a catalog name that is not downloaded (says which ``gemmaspec pull`` to run), a
