@@ -123,3 +123,22 @@ def test_fit_by_name_without_network_is_one_error_line(fake, capsys, name, fail)
     assert cli.main(["fit", "-m", name, "--device", "8GiB"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "cannot reach the hub" in err[0], err
+
+
+def test_fit_by_name_reads_every_shard_header(fake, capsys, tmp_path):
+    """A sharded checkpoint (``model.safetensors.index.json``): every shard's header is read by range and
+    the estimate is the one for the downloaded directory."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    d = tmp_path / "sharded"
+    randomize(Gemma4ForCausalLM(Gemma4TextConfig(**TARGET)).eval(), 3).to(torch.bfloat16).save_pretrained(
+        d, max_shard_size="300KB")
+    shards = sorted(p.name for p in d.glob("*.safetensors"))
+    assert len(shards) > 1 and (d / "model.safetensors.index.json").exists()
+    fake.add("google/gemma-4-12B-it-qat-q4_0-unquantized", {p.name: p.read_bytes() for p in d.iterdir()})
+    code, remote = _fit(capsys, "-m", "gemma-4-12b-it-qat", "-c", "128")
+    assert code == 0, remote
+    assert remote.splitlines()[:-1] == _fit(capsys, "-m", str(d), "-c", "128")[1].splitlines()[:-1]
+    got = {p.rsplit("/", 1)[1] for m, p, r in fake.requests if m == "GET" and p.endswith(".safetensors")}
+    assert got == set(shards)
+    _no_weights_fetched(fake)
