@@ -2,7 +2,9 @@
 layout for ``huggingface_hub`` behind ``HF_ENDPOINT``: ``/{repo}/resolve/{rev}/{file}`` (HEAD and GET,
 with ``X-Repo-Commit``, the LFS sha256 as ETag, and ``Range``), ``/api/models/{repo}/revision/{rev}``
 and ``/api/models/{repo}/tree/{rev}``. It records every request; ``cut[file] = n`` makes the next GET
-of that file stop after n bytes (the connection drops mid-body)."""
+of that file stop after n bytes (the connection drops mid-body); a request whose ``"METHOD path"``
+matches a pattern in ``fail`` (``re.search``) gets no answer at all (the connection drops: a network
+failure as the client sees it). ``Range: bytes=a-b`` is served as the hub serves it (206, bytes a..b)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ class FakeHub:
         self.repos: dict[str, dict[str, bytes]] = {}
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self.cut: dict[str, int] = {}
+        self.fail: list[str] = []
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -73,6 +76,13 @@ class FakeHub:
     def _handle(self, h, head: bool) -> None:
         path = unquote(urlsplit(h.path).path)
         self.requests.append(("HEAD" if head else "GET", path, h.headers.get("Range")))
+        if any(re.search(f, f"{'HEAD' if head else 'GET'} {path}") for f in self.fail):
+            h.close_connection = True
+            try:
+                h.connection.shutdown(2)  # no status line: the client sees the connection drop
+            except OSError:
+                pass
+            return
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+)(?:/.*)?)?", path)
         if m:
             repo, kind = m.group(1), m.group(2)
@@ -93,15 +103,18 @@ class FakeHub:
         data = self.repos[m.group(1)].get(m.group(3))
         if data is None:
             return self._missing(h)
-        start = 0
+        start, end = 0, len(data) - 1
         rng = h.headers.get("Range")
         if rng and not head:
-            start = int(re.match(r"bytes=(\d+)-", rng).group(1))
-        body = data[start:]
-        h.send_response(206 if start else 200)
+            m2 = re.match(r"bytes=(\d+)-(\d*)", rng)
+            start = int(m2.group(1))
+            end = min(int(m2.group(2)), end) if m2.group(2) else end
+        body = data[start:end + 1]
+        ranged = bool(rng) and not head
+        h.send_response(206 if ranged else 200)
         h.send_header("Content-Length", str(len(body)))
-        if start:
-            h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        if ranged:
+            h.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
         h.send_header("Accept-Ranges", "bytes")
         h.send_header("ETag", f'"{self.sha(data)}"')
         h.send_header("X-Repo-Commit", COMMIT)

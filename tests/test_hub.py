@@ -114,3 +114,103 @@ def test_offline_answers_at_once_and_lists_the_cache(fake, monkeypatch):
             hub.pull("gemma-4-e4b-it-qat-gguf")
     finally:
         silent.close()
+
+
+@pytest.fixture
+def pinned_catalog(tmp_path, monkeypatch):
+    """The catalog with one entry's sha256 replaced (the published files cannot be served here)."""
+    import json
+
+    def use(name, data):
+        d = json.loads(catalog.CATALOG_FILE.read_text())
+        next(m for m in d["models"] if m["name"] == name)["sha256"] = hashlib.sha256(data).hexdigest()
+        f = tmp_path / "catalog.json"
+        f.write_text(json.dumps(d))
+        monkeypatch.setattr(catalog, "CATALOG_FILE", f)
+        catalog._load.cache_clear()
+    yield use
+    catalog._load.cache_clear()
+
+
+def test_seed_exact_pair_is_pulled_by_name_from_its_repositories(fake, pinned_catalog):
+    """``pull gemma-4-e2b-it-qat-q4_0-exact --with-assistant``: the exact target from the repo the seed
+    article links, the exact assistant from its recorded repository, the assistant's pinned sha256 checked."""
+    drafter = os.urandom(5000)
+    fake.add("xbill9/gemma-4-E2B-it-qat-q4_0-exact-gguf", {"gemma-4-E2B-it-qat-q4_0-exact.gguf": b"t" * 3000,
+                                                          "mmproj-x.gguf": b"m"})
+    fake.add("xbill9/gemma-4-E2B-it-qat-assistant-q4_0-exact-gguf",
+             {"gemma-4-E2B-it-qat-assistant-q4_0-exact.gguf": drafter})
+    with pytest.raises(ModelFileError) as exc:  # the published hash is pinned: other bytes are refused
+        hub.pull("gemma-4-e2b-it-qat-q4_0-exact", with_assistant=True)
+    assert catalog.get("gemma-4-e2b-it-qat-assistant-q4_0-exact").sha256 in str(exc.value)
+    pinned_catalog("gemma-4-e2b-it-qat-assistant-q4_0-exact", drafter)
+    target, assistant = hub.pull("gemma-4-e2b-it-qat-q4_0-exact", with_assistant=True)
+    assert target.path.name == "gemma-4-E2B-it-qat-q4_0-exact.gguf"
+    assert assistant.label.startswith("xbill9/gemma-4-E2B-it-qat-assistant-q4_0-exact-gguf:")
+    assert assistant.path.read_bytes() == drafter and assistant.sha256 == hashlib.sha256(drafter).hexdigest()
+
+
+def test_the_12b_tutorial_pair(fake):
+    fake.add("google/gemma-4-12B-it-qat-q4_0-gguf", {"gemma-4-12B-it-qat-q4_0.gguf": b"t" * 100})
+    fake.add("Janvitos/gemma-4-12B-it-qat-assistant-MTP-Q8_0-GGUF", {"assistant-Q8_0.gguf": b"a" * 100})
+    target, assistant = hub.pull("gemma-4-12b-it-qat-gguf", with_assistant=True)
+    assert assistant.label == "Janvitos/gemma-4-12B-it-qat-assistant-MTP-Q8_0-GGUF:assistant-Q8_0.gguf"
+    assert catalog.pair(catalog.get("gemma-4-12b-it-qat-assistant-mtp-q8_0")).name == "gemma-4-12b-it-qat-gguf"
+
+
+@pytest.mark.parametrize("spec,fail", [
+    ("gemma-4-e2b-it-qat-gguf", r"^GET /api/models/.*/tree/"),  # list_repo_files (it raised past the wrapper)
+    ("gemma-4-e2b-it-qat-gguf", r"^HEAD .*/resolve/"),  # hf_hub_download's metadata request
+    ("gemma-4-e2b-it-qat-gguf", r"^GET .*/resolve/"),  # the download itself
+    ("gemma-4-e2b-it-qat-assistant-q4_0-exact", r"/resolve/"),  # a catalog entry with one file
+    ("acme/m:m.gguf", r"/resolve/"),
+    ("gemma-4-e2b-it-qat", r"/api/models/"),  # a checkpoint directory: snapshot_download's listing
+    ("gemma-4-e2b-it-qat", r"^GET .*/resolve/"),  # ... and its files
+    ("acme/d", r"/api/models/"),
+])
+def test_network_failure_of_every_hub_call_is_one_error_line_soon(fake, capsys, spec, fail):
+    """A hub that drops the connection at each kind of call: ``pull`` exits 1 with one ``error:`` line
+    (no traceback, no retry chatter) after at most HUB_RETRIES retries of that request, in seconds
+    (huggingface_hub's own budget is 5 retries over 23 s; list_repo_files' failure was a traceback)."""
+    import time
+
+    gguf = {"gemma-4-E2B-it-qat-q4_0.gguf": b"g" * 1000}
+    fake.add("google/gemma-4-E2B-it-qat-q4_0-gguf", gguf)
+    fake.add("xbill9/gemma-4-E2B-it-qat-assistant-q4_0-exact-gguf", {"gemma-4-E2B-it-qat-assistant-q4_0-exact.gguf": b"a"})
+    fake.add("acme/m", {"m.gguf": b"m" * 1000})
+    d = {"config.json": b'{"model_type": "x"}', "model.safetensors": b"s" * 1000}
+    fake.add("google/gemma-4-E2B-it-qat-q4_0-unquantized", d)
+    fake.add("acme/d", d)
+    fake.fail.append(fail)
+    t0 = time.monotonic()
+    assert cli.main(["pull", spec]) == 1
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "cannot reach the hub" in err[0], err
+    import re
+    failed = [f"{m} {p}" for m, p, _ in fake.requests if re.search(fail, f"{m} {p}")]
+    # each try may be sent twice: the HTTP client resends once on a kept-alive connection that drops
+    assert failed and max(failed.count(f) for f in set(failed)) <= 2 * (1 + hub.HUB_RETRIES), failed
+    assert took < 10, took
+
+
+def test_models_json_for_scripts(fake, capsys):
+    """``gemmaspec models --json``: every entry with its role, pair, repo, file, sha256 and cached path
+    (None until pulled, the path after)."""
+    import json
+
+    fake.add("xbill9/gemma-4-E4B-it-qat-q4_0-exact-gguf", {"t.gguf": b"t" * 100})
+    assert cli.main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == {e.name for e in catalog.entries()}
+    a = rows["gemma-4-e4b-it-qat-assistant-q4_0-exact"]
+    assert (a["role"], a["repo"], a["file"], a["sha256"], a["cached"]) == (
+        "assistant", "xbill9/gemma-4-E4B-it-qat-assistant-q4_0-exact-gguf",
+        "gemma-4-E4B-it-qat-assistant-q4_0-exact.gguf",
+        "dc965cb963e56b86fbc04db8efec83163886085e88514574650a57fa55a2ee24", None)
+    assert rows["gemma-4-e4b-it-qat-q4_0-exact"]["pair"] == "gemma-4-e4b-it-qat-assistant-q4_0-exact"
+    assert rows["gemma-3-270m-assistant"]["cached"]  # shipped in the package
+    [got] = hub.pull("gemma-4-e4b-it-qat-q4_0-exact")
+    assert cli.main(["models", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["gemma-4-e4b-it-qat-q4_0-exact"]["cached"] == str(got.path)

@@ -197,20 +197,28 @@ def sampling_params(args, server: bool = False):
                           ignore_eos=args.ignore_eos).validate()
 
 
-def resolve_models(args) -> None:
+def resolve_models(args, metadata: bool = False) -> None:
     """Turn known model names in ``-m`` / ``-md`` into their cached paths and, when
-    ``--spec-draft-n-max`` is not given, take the catalog's recommended draft length (else 3).
+    ``--spec-draft-n-max`` is not given, take the catalog's recommended draft length (else 3). The
+    catalog entries go to ``args.target_entry`` / ``args.draft_entry`` (None for a plain path).
+
+    Args:
+        metadata: a name not downloaded becomes a metadata-only stand-in read from the hub
+            (``fit`` and ``export``, which need no weights) instead of an error.
 
     Raises:
         InputError: an unknown name (close matches listed) or one not downloaded yet.
+        ModelFileError: with ``metadata``, the hub unreachable or refusing (one line).
     """
     from ..manage import catalog
-    from ..manage.hub import resolve
+    from ..manage.remote import resolve
 
-    args.model, target = resolve(args.model)
+    args.model, target = resolve(args.model, metadata)
+    args.target_entry = target if args.model is not None else None
     draft = None
     if getattr(args, "model_draft", None):
-        args.model_draft, draft = resolve(args.model_draft)
+        args.model_draft, draft = resolve(args.model_draft, metadata)
+    args.draft_entry = draft
     if hasattr(args, "spec_draft_n_max") and args.spec_draft_n_max is None:
         rec = catalog.draft_n_max(target, draft) if (draft is not None or args.spec_type in (None, "ngram-simple")) \
             else None
@@ -230,7 +238,7 @@ def spec_config(args) -> SpecConfig:
                       ngram_min=args.spec_ngram_min).checked()
 
 
-def spec_plan(args):
+def spec_plan(args, metadata: bool = False):
     """:func:`resolve_models`, :func:`spec_config` and :func:`~gemmaspec.speculative.plan.plan` for
     ``args.model``: what the command will draft with, decided before anything is loaded.
 
@@ -239,7 +247,7 @@ def spec_plan(args):
     """
     from ..speculative.plan import plan
 
-    resolve_models(args)
+    resolve_models(args, metadata)
     return plan(spec_config(args), args.model)
 
 

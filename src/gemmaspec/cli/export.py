@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from pathlib import Path
 
 from ..errors import InputError
+from ..manage.remote import is_stand_in
 from ..speculative.options import spec_model_type
 from .args import add_spec, read_target, resolve_models, spec_config
 
@@ -142,18 +144,23 @@ def build_command(args) -> list[str]:
         from ..manage.default_model import default_model_path
 
         model = args.model or str(default_model_path())
-        for flag, p in (("-m", model), ("-md", draft_file)):
+        draft_entry = args.draft_entry if draft_file == args.model_draft else None
+        for flag, p, entry in (("-m", model, args.target_entry), ("-md", draft_file, draft_entry)):
             if p and not str(p).endswith(".gguf"):
+                if is_stand_in(p):
+                    raise InputError(f"llama-server loads GGUF files; {entry.name} is a checkpoint directory"
+                                     + _gguf_names(entry) + " (or pull it and gemmaspec convert it)")
                 raise InputError(f"llama-server loads GGUF files; {flag} {p} is not one: convert it first "
                                  f"(gemmaspec convert {p} OUT.gguf)")
-        cmd = ["llama-server", "-m", str(model), "--port", str(args.port), "-np", str(args.parallel),
+        cmd = ["llama-server", *_llama_model("-m", "--hf-repo", "--hf-file", model, args.target_entry),
+               "--port", str(args.port), "-np", str(args.parallel),
                "-c", str(ctx * args.parallel)]  # llama-server's -c is shared by the slots: gemmaspec's per slot
         if spec != "none":
             cmd += ["--spec-type", spec, "--spec-draft-n-max", str(n)]
             if drafter_plan.spec.n_min:
                 cmd += ["--spec-draft-n-min", str(drafter_plan.spec.n_min)]
             if draft_file:
-                cmd += ["-md", str(draft_file)]
+                cmd += _llama_model("-md", "--hf-repo-draft", "--hf-file-draft", draft_file, draft_entry)
                 if drafter_plan.p_min:
                     cmd += ["--spec-draft-p-min", f"{drafter_plan.p_min:g}"]
         _say(notes)
@@ -188,6 +195,22 @@ def build_command(args) -> list[str]:
     return cmd
 
 
+def _llama_model(flag: str, repo_flag: str, file_flag: str, path, entry) -> list[str]:
+    """llama-server's flags for one model: ``-m FILE`` for a local file; for a catalog name not
+    downloaded here, the hub file llama-server downloads itself (``--hf-repo REPO --hf-file FILE``, the
+    file gemmaspec pull would fetch; llama-server keeps it in its own cache)."""
+    if entry is not None and entry.repo and is_stand_in(path):
+        return [repo_flag, entry.repo, file_flag, Path(path).name]
+    return [flag, str(path)]
+
+
+def _gguf_names(entry) -> str:
+    from ..manage import catalog
+
+    names = [e.name for e in catalog.entries() if e.format == "gguf" and e.hf_equivalent == entry.name]
+    return f": export {' or '.join(names)} (its GGUF)" if names else ""
+
+
 def _dropped(server: str, spec: str, drafter_plan) -> list[str]:
     """The speculative settings ``server``'s exported command cannot carry (named as gemmaspec's flags)."""
     s, out = drafter_plan.spec, []
@@ -207,11 +230,6 @@ def _say(notes: list[str]) -> None:
 
 def run(args) -> int:
     """``gemmaspec export``: print the command (shell-quoted) on stdout."""
-    from ..manage.hub import resolve
-
-    model_arg, draft_arg = args.model, args.model_draft
-    resolve_models(args)
-    args.target_entry = resolve(model_arg)[1] if model_arg else None
-    args.draft_entry = resolve(draft_arg)[1] if draft_arg else None
+    resolve_models(args, metadata=True)  # a known name not downloaded: its metadata from the hub, no weights
     print(shlex.join(build_command(args)))
     return 0

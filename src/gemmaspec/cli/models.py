@@ -18,8 +18,10 @@ def add_parsers(sub) -> None:
     pl.add_argument("--with-assistant", action="store_true",
                     help="also fetch the target's assistant (a QAT target gets its QAT assistant)")
 
-    sub.add_parser("models", help="list the known models (targets, assistants), their pairs and what is cached",
-                   allow_abbrev=False)
+    ms = sub.add_parser("models", help="list the known models (targets, assistants), their pairs and what is cached",
+                        allow_abbrev=False)
+    ms.add_argument("--json", action="store_true",
+                    help="one JSON array for scripts: each model's name, role, pair, repo, file, sha256, cached path")
 
     f = sub.add_parser("fit", help="will it fit? memory of a model, its drafter and KV cache, from metadata only",
                        allow_abbrev=False)
@@ -49,11 +51,41 @@ def run_pull(args) -> int:
     return 0
 
 
-def run_models(args) -> int:
-    """``gemmaspec models``: the catalog as a table, with what is cached."""
+def models_json() -> list[dict]:
+    """The catalog for scripts: per entry ``name``, ``role``, ``format``, ``qat``, ``pair`` (its
+    assistant or target), ``repo``, ``file`` (None when picked from the repo's listing: ``file_glob``),
+    ``sha256`` (the pinned hash, None when the hub's LFS hash is what is checked), ``package``,
+    ``hf_equivalent``, ``draft_n_max``, ``spec_type``, ``default``, ``placeholder``, ``source`` (the
+    citation), ``note``, ``cached`` (the local path, None when not downloaded)."""
     from ..manage import catalog
     from ..manage.hub import cached_path
 
+    out = []
+    for e in catalog.entries():
+        try:
+            where = cached_path(e)
+        except Exception:  # noqa: BLE001 - a listing never fails on one entry
+            where = None
+        out.append({"name": e.name, "role": e.role, "format": e.format, "qat": e.qat,
+                    "pair": e.assistant if e.role == "target" else e.target, "repo": e.repo, "file": e.file,
+                    "file_glob": e.file_glob, "sha256": e.sha256, "package": e.package,
+                    "hf_equivalent": e.hf_equivalent, "draft_n_max": e.draft_n_max, "spec_type": e.spec_type,
+                    "default": e.default, "placeholder": e.placeholder,
+                    "source": catalog.sources().get(e.source, e.source), "note": e.note,
+                    "cached": str(where) if where else None})
+    return out
+
+
+def run_models(args) -> int:
+    """``gemmaspec models``: the catalog as a table, with what is cached (``--json``: as JSON)."""
+    from ..manage import catalog
+    from ..manage.hub import cached_path
+
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps(models_json(), indent=1))
+        return 0
     print(f"{'name':<44} {'role':<9} {'qat':<3} {'n_max':>5}  {'cached':<6} repo / pair")
     for e in catalog.entries():
         try:
@@ -81,7 +113,8 @@ def run_fit(args) -> int:
     from ..manage.fit import device_and_free, estimate, read_model
     from .args import read_target, spec_plan
 
-    plan = spec_plan(args)  # names resolved to paths; the drafter generate and serve would load
+    plan = spec_plan(args, metadata=True)  # names resolved to paths (a name not downloaded: its metadata from
+    # the hub, no weights); the drafter generate and serve would load
     target = read_target(args.model)
     device, free = device_and_free(args.device)
     draft = read_model(plan.draft_file) if plan.draft_file else None

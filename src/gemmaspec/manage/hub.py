@@ -11,6 +11,7 @@ the hub's own LFS hash (its ETag); a mismatch deletes the download and names the
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import logging
@@ -30,6 +31,12 @@ DIR_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.
 """What a checkpoint-directory pull fetches (config, weights, tokenizer, chat template; no vision
 or audio extras beyond what the safetensors hold, no README images)."""
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+HUB_RETRIES = 2
+"""Retries of one hub request after a network error or a 5xx (huggingface_hub's default is 5, with
+waits of 1, 2, 4, 8, 8 s: 23 s before a machine without network hears anything)."""
+HUB_RETRY_WAIT = 0.5
+"""Seconds before the first retry (doubled for the next, at most 1 s)."""
+_NETWORK_MODULES = ("httpx", "httpx2", "httpcore", "requests", "urllib3", "ssl", "socket")
 
 
 @dataclass(frozen=True)
@@ -127,12 +134,53 @@ def _offline_error(what: str, s: HubSettings) -> ModelFileError:
     return ModelFileError(f"offline (HF_HUB_OFFLINE is set) and {what} is not in the cache{listing}")
 
 
+@contextlib.contextmanager
+def short_retries():
+    """huggingface_hub's request retries cut to :data:`HUB_RETRIES` (waits from
+    :data:`HUB_RETRY_WAIT`) while the block runs, and its retry warnings kept off stderr (the one
+    error line says what failed): the keyword defaults of ``http_backoff`` / ``http_stream_backoff``
+    (every hub request of the library) and of ``http_get`` (a download that breaks off before any byte
+    arrives; one that got bytes still resumes as before), set and then put back."""
+    from huggingface_hub import file_download
+    from huggingface_hub.utils import _http
+
+    settings_ = ((getattr(_http, "http_backoff", None), {"max_retries": HUB_RETRIES, "base_wait_time": HUB_RETRY_WAIT,
+                                                         "max_wait_time": 1.0}),
+                 (getattr(_http, "http_stream_backoff", None), {"max_retries": HUB_RETRIES,
+                                                                "base_wait_time": HUB_RETRY_WAIT, "max_wait_time": 1.0}),
+                 (getattr(file_download, "http_get", None), {"_nb_retries": HUB_RETRIES}))
+    saved = []
+    for f, new in settings_:
+        kw = getattr(f, "__kwdefaults__", None)
+        if isinstance(kw, dict):
+            saved.append((kw, {k: kw[k] for k in new if k in kw}))
+            kw.update({k: v for k, v in new.items() if k in kw})
+    loggers = [logging.getLogger(m.__name__) for m in (_http, file_download)]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for kw, old in saved:
+            kw.update(old)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _is_network_error(exc: BaseException) -> bool:
+    """A transport failure (refused, reset, timed out, DNS, TLS) of the HTTP client huggingface_hub uses."""
+    return any(c.__module__.split(".")[0] in _NETWORK_MODULES for c in type(exc).__mro__[:-2])
+
+
 def _hub_call(fn, what: str, s: HubSettings):
-    """Run a huggingface_hub call, turning its errors into one-line gemmaspec errors."""
+    """Run a huggingface_hub call with a short retry budget (:func:`short_retries`), turning its errors,
+    network failures included, into one-line gemmaspec errors."""
     from huggingface_hub import errors as hfe
 
     try:
-        return fn()
+        with short_retries():
+            return fn()
     except hfe.GatedRepoError:
         raise ModelFileError(f"{what} is gated: accept its license on the hub and set HF_TOKEN") from None
     except hfe.RepositoryNotFoundError:
@@ -142,6 +190,9 @@ def _hub_call(fn, what: str, s: HubSettings):
     except hfe.LocalEntryNotFoundError as exc:
         if s.offline:
             raise _offline_error(what, s) from None
+        cause = exc.__cause__ or exc.__context__
+        if cause is not None and _is_network_error(cause):
+            raise _network_error(what, cause, s, cached=False) from None
         raise ModelFileError(f"cannot download {what} from {s.endpoint} and it is not cached ({exc}); "
                              "check the network or HF_ENDPOINT") from None
     except hfe.EntryNotFoundError:
@@ -149,7 +200,19 @@ def _hub_call(fn, what: str, s: HubSettings):
     except hfe.HfHubHTTPError as exc:
         raise ModelFileError(f"{what}: the hub at {s.endpoint} answered {exc}") from None
     except OSError as exc:
+        if _is_network_error(exc):
+            raise _network_error(what, exc, s) from None
         raise ModelFileError(f"{what}: download failed ({exc})") from None
+    except Exception as exc:
+        if _is_network_error(exc):
+            raise _network_error(what, exc, s) from None
+        raise
+
+
+def _network_error(what: str, exc: BaseException, s: HubSettings, cached: bool | None = None) -> ModelFileError:
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ModelFileError(f"{what}: cannot reach the hub at {s.endpoint} ({detail}; gave up after {HUB_RETRIES} "
+                          f"retries){' and it is not cached' if cached is False else ''}; check the network or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use the cache only")
 
 
 def _remove_download(path: Path) -> None:
@@ -201,8 +264,9 @@ def _download_file(repo: str, filename: str, revision: str | None, expected: lis
     expected = list(expected)
     if not s.offline:  # the hub's LFS hash (its ETag), when the hub gave one
         try:
-            meta = get_hf_file_metadata(hf_hub_url(repo, filename, revision=revision, endpoint=s.endpoint),
-                                        token=s.token, endpoint=s.endpoint)
+            with short_retries():
+                meta = get_hf_file_metadata(hf_hub_url(repo, filename, revision=revision, endpoint=s.endpoint),
+                                            token=s.token, endpoint=s.endpoint)
             if meta.etag and _SHA256.match(meta.etag.lower()):
                 expected.append((meta.etag, f"the hub's LFS hash from {s.endpoint}"))
         except Exception:  # noqa: BLE001 - the file is there; the extra check is best effort
@@ -221,7 +285,8 @@ def _pick_file(entry: Entry, revision: str | None, s: HubSettings) -> str:
         return cached.name
     from huggingface_hub import HfApi
 
-    files = _hub_call(lambda: HfApi(endpoint=s.endpoint, token=s.token).list_repo_files(entry.repo, revision=revision),
+    files = _hub_call(lambda: list(HfApi(endpoint=s.endpoint, token=s.token).list_repo_files(entry.repo,
+                                                                                             revision=revision)),
                       entry.repo, s)
     found = sorted(f for f in files if fnmatch.fnmatch(f, entry.file_glob)
                    and not (entry.exclude_glob and fnmatch.fnmatch(Path(f).name, entry.exclude_glob)))
@@ -351,6 +416,7 @@ def pull(spec: str, revision: str | None = None, sha256: str | None = None,
 def resolve(arg: str | None) -> tuple[str | None, Entry | None]:
     """What ``-m``/``-md`` ARG means: ``(path, catalog entry or None)``. An existing path stays as
     it is; a catalog name becomes its cached file or directory; None stays None (the default model).
+    (:func:`gemmaspec.manage.remote.resolve` turns a name not downloaded into its metadata instead.)
 
     Raises:
         InputError: a catalog name that is not downloaded (says which ``gemmaspec pull`` to run), a
