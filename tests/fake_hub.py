@@ -128,3 +128,15 @@ class FakeHub:
             h.close_connection = True
             return
         h.wfile.write(body)
+
+
+def serve_fake_hub(monkeypatch, home) -> FakeHub:
+    """A started :class:`FakeHub` that huggingface_hub talks to (``HF_ENDPOINT``), with a fresh
+    ``HF_HOME`` under ``home`` and no offline switch or token from the environment; close it after."""
+    h = FakeHub()
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", h.url)
+    monkeypatch.setenv("HF_HOME", str(home / "hf"))
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    return h

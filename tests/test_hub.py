@@ -6,7 +6,7 @@ import os
 import socket
 
 import pytest
-from fake_hub import FakeHub
+from fake_hub import serve_fake_hub
 
 from gemmaspec import cli
 from gemmaspec.errors import InputError, ModelFileError
@@ -15,12 +15,7 @@ from gemmaspec.manage import catalog, hub
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    h = FakeHub()
-    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", h.url)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    h = serve_fake_hub(monkeypatch, tmp_path)
     yield h
     h.close()
 

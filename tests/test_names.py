@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 import torch
-from fake_hub import FakeHub
+from fake_hub import serve_fake_hub
 from tiny_gemma4 import TARGET, randomize, tiny_assistant
 
 from gemmaspec import cli
@@ -36,12 +36,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def fake(tiny, tmp_path, monkeypatch):
     t, a, g = tiny
-    h = FakeHub()
-    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", h.url)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    h = serve_fake_hub(monkeypatch, tmp_path)
     h.add(REPO, {p.name: p.read_bytes() for p in t.iterdir() if p.is_file()})
     h.add(REPO + "-assistant", {p.name: p.read_bytes() for p in a.iterdir() if p.is_file()})
     h.add(GGUF_REPO, {GGUF_FILE: g.read_bytes(), "mmproj-x.gguf": b"x"})
