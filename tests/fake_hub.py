@@ -138,5 +138,8 @@ def serve_fake_hub(monkeypatch, home) -> FakeHub:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", h.url)
     monkeypatch.setenv("HF_HOME", str(home / "hf"))
-    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when huggingface_hub is first imported
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()  # and now, when an earlier test imported it first (no bar lines in stderr checks)
     return h
