@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import platform
 import statistics
 import subprocess
@@ -107,6 +108,40 @@ def llama_python(build: bool = True) -> Path | None:
     wheel = sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))[-1]
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
     return py
+
+
+def llama_binaries(build: bool = True) -> Path | None:
+    """Folder holding llama.cpp's own ``llama-bench`` and ``llama-server``, built once with CMake from the
+    llama.cpp sources vendored in llama-cpp-python's sdist (the same version as the Python peer), for
+    this CPU (``GGML_NATIVE``; AMX off: its AMX path segfaults under KVM). With ``build=False``, None
+    when they are not built yet. A build takes ~10 minutes on 2 cores."""
+    out = cache_home() / "bench" / f"llama-bin-{LLAMA_CPP_VERSION}"
+    if (out / "llama-bench").exists() and (out / "llama-server").exists():
+        return out
+    if not build:
+        return None
+    import tarfile
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="llama-src-", dir=bench_dir()))
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                    f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(work)], check=True)
+    sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(sdist) as tf:
+        tf.extractall(work, filter="data")
+    src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    build_dir = work / "build"
+    print(f"building llama-bench and llama-server {LLAMA_CPP_VERSION} (about 10 minutes, once)...", file=sys.stderr)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2), "--target", "llama-bench",
+                    "llama-server"], check=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in (build_dir / "bin").iterdir():
+        shutil.copy2(f, out / f.name)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
 
 
 def run_cold(cmd: list[str], env=None, timeout=900) -> dict:

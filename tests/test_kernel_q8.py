@@ -136,12 +136,29 @@ def test_mode_switch_and_bad_values(monkeypatch):
         assert kernels.act_quant() == "q8_0"
         kernels.set_act_quant("none")
         assert kernels.act_quant() == "none"
-        with pytest.raises(ValueError, match="choose one of none, q8_0"):
+        with pytest.raises(ValueError, match="choose one of auto, none, q8_0"):
             kernels.set_act_quant("q4")
     finally:
         kernels.set_act_quant(before)
     monkeypatch.setenv("GEMMASPEC_ACT_QUANT", "int3")
-    assert kernels._env_act_quant() is False  # warned, fp32
+    assert kernels._env_act_quant() == "auto"  # warned, the default
+
+
+def test_auto_picks_int8_activations_for_big_models_only():
+    """``auto`` (the default) resolves per loaded target by the bytes its decode step reads; an explicit
+    mode is never overridden."""
+    before = kernels.act_quant()
+    try:
+        kernels.set_act_quant("auto")
+        assert kernels.resolve_act_quant(kernels.AUTO_Q8_BYTES) == "q8_0"  # Gemma 4 E2B: 1.2 GiB
+        assert kernels.act_quant() == "q8_0"
+        assert kernels.resolve_act_quant(235 << 20) == "none"  # Gemma 3 270M
+        kernels.set_act_quant("none")
+        assert kernels.resolve_act_quant(4 << 30) == "none"
+        kernels.set_act_quant("q8_0")
+        assert kernels.resolve_act_quant(1 << 20) == "q8_0"
+    finally:
+        kernels.set_act_quant(before)
 
 
 def test_the_mode_changes_the_model_products_and_fp32_is_the_default(libs):

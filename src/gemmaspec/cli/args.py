@@ -88,10 +88,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=int, default=0, metavar="N",
                    help="tokens of the prompt kept by a context shift, after BOS (-1: the whole prompt; default 0)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: the physical cores this process may use)")
-    p.add_argument("--act-quant", default=None, choices=["none", "q8_0"],
-                   help="activations of the CPU kernel's decode/verify products: none = fp32 (default; matches "
-                        "transformers to ~1e-6), q8_0 = int8 per 32 values with integer dot products, llama.cpp's "
-                        "CPU numerics (faster where the fp32 products are compute-bound; env GEMMASPEC_ACT_QUANT)")
+    p.add_argument("--act-quant", default=None, choices=["auto", "none", "q8_0"],
+                   help="activations of the CPU kernel's decode/verify products: none = fp32 (matches transformers "
+                        "to ~1e-6), q8_0 = int8 per 32 values with integer dot products, llama.cpp's CPU numerics "
+                        "(faster where the fp32 products are compute-bound); auto (default) = q8_0 for models whose "
+                        "decode step reads >= 512 MiB of weights (Gemma 4 E2B and up), else none "
+                        "(env GEMMASPEC_ACT_QUANT)")
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", default=None, metavar="N",
                    help="accepted for llama.cpp compatibility and ignored: the whole model runs on --device")
     refuse(p, LLAMA_FLAGS_REFUSED)

@@ -61,37 +61,53 @@ def ops_on_one_thread():
         _threads = saved
 
 
-ACT_QUANTS = ("none", "q8_0")  # activations of the kernel's products: fp32, or int8 per 32 values
+ACT_QUANTS = ("auto", "none", "q8_0")  # activations of the kernel's products: by model size, fp32, int8 per 32 values
+AUTO_Q8_BYTES = 512 << 20  # "auto": int8 activations when a decode step's products read at least this much
 
 
-def _env_act_quant() -> bool:
-    mode = os.environ.get("GEMMASPEC_ACT_QUANT", "none").strip().lower() or "none"
+def _env_act_quant() -> str:
+    mode = os.environ.get("GEMMASPEC_ACT_QUANT", "auto").strip().lower() or "auto"
     if mode not in ACT_QUANTS:
-        log.warning("gemmaspec: GEMMASPEC_ACT_QUANT=%s is not one of %s; using none", mode, ", ".join(ACT_QUANTS))
-        return False
-    return mode == "q8_0"
+        log.warning("gemmaspec: GEMMASPEC_ACT_QUANT=%s is not one of %s; using auto", mode, ", ".join(ACT_QUANTS))
+        return "auto"
+    return mode
 
 
-_act_q8 = _env_act_quant()
+_act_mode = _env_act_quant()  # as asked: auto, none or q8_0
+_act_q8 = _act_mode == "q8_0"  # in effect
 
 
 def set_act_quant(mode: str) -> None:
     """How the C kernel's few-row products (decode, speculative verify, drafting) treat activations:
-    ``"none"`` (the default) multiplies fp32 activations, bit-identical to the int8-level reference and
-    matching transformers to ~1e-6; ``"q8_0"`` quantizes each row of x to int8 per 32 values (one fp32
-    step per block) and uses integer dot products (AVX-512 VNNI, AVX2, NEON), llama.cpp's CPU scheme:
-    less work per weight, results within the rounding of x (relative ~1e-2 per product) of the fp32
-    ones (``qdot8.h`` documents the arithmetic). Either mode is batch-invariant, so speculative decoding
-    stays lossless within it. Many-row products (prefill) keep fp32 activations. ``GEMMASPEC_ACT_QUANT``
-    sets the initial mode.
+    ``"none"`` multiplies fp32 activations, bit-identical to the int8-level reference and matching
+    transformers to ~1e-6; ``"q8_0"`` quantizes each row of x to int8 per 32 values (one fp32 step per
+    block) and uses integer dot products (AVX-512 VNNI, AVX2, NEON), llama.cpp's CPU scheme: less work
+    per weight, results within the rounding of x (relative ~1e-2 per product) of the fp32 ones
+    (``qdot8.h`` documents the arithmetic); ``"auto"`` (the default) picks per loaded target
+    (:func:`resolve_act_quant`): q8_0 for models whose decode step reads at least ``AUTO_Q8_BYTES``
+    of weights (Gemma 4 E2B and larger: there the fp32 products are compute-bound on a CPU, and
+    llama.cpp computes the same way), none below (Gemma 3 270M: memory-bound, fp32 costs nothing).
+    Either mode is batch-invariant, so speculative decoding stays lossless within it. Many-row products
+    (prefill) keep fp32 activations. ``GEMMASPEC_ACT_QUANT`` sets the initial mode.
 
     Raises:
         ValueError: a mode not in :data:`ACT_QUANTS`.
     """
-    global _act_q8
+    global _act_q8, _act_mode
     if mode not in ACT_QUANTS:
         raise ValueError(f"--act-quant {mode!r}: choose one of {', '.join(ACT_QUANTS)}")
+    _act_mode = mode
     _act_q8 = mode == "q8_0"
+
+
+def resolve_act_quant(step_bytes: int) -> str:
+    """Under ``"auto"``, set the mode in effect for a target whose decode step reads ``step_bytes`` bytes
+    of weights (q8_0 from ``AUTO_Q8_BYTES`` up, else none); an explicit mode stays. Returns the mode in
+    effect."""
+    global _act_q8
+    if _act_mode == "auto":
+        _act_q8 = step_bytes >= AUTO_Q8_BYTES
+    return act_quant()
 
 
 def act_quant() -> str:
@@ -228,6 +244,8 @@ def matmul_library(isa: str = "auto"):
         fn.argtypes, fn.restype = args, None
     lib.gs_attention.argtypes = [P, ctypes.c_long, I, I, I, I, P, P, I, P, ctypes.c_float, ctypes.c_float, P]
     lib.gs_attention.restype = I
+    lib.gs_attention_mt.argtypes = [P, ctypes.c_long, I, I, I, I, P, P, I, P, ctypes.c_float, ctypes.c_float, P, I]
+    lib.gs_attention_mt.restype = I
     lib.gs_decode_layers.argtypes = [I, P, P, P, P, I, I, I, I, I, I, ctypes.c_float, ctypes.c_float, I, I, I]
     lib.gs_decode_layers.restype = I
     lib.gs_assistant_step.argtypes = [I, P, P, P, P, P, I, I, I, I, I, ctypes.c_float, P, P, P, I, P, P, P, I, I]

@@ -53,7 +53,7 @@ int gs_decode_layers(int nl, const gs_layer *layers, float *const *kv, const gs_
             memcpy(kc + row * hkv * hd, qk + i * wqk + (long)hq * hd, sizeof(float) * hkv * hd);
             memcpy(vc + row * hkv * hd, qkv + i * wq + wqk, sizeof(float) * hkv * hd);
         }
-        if (gs_attention(qk, wqk, n, hq, hkv, hd, kc, vc, kd->L, kd->mask, scale, 0.f, att) != 0) {
+        if (gs_attention_mt(qk, wqk, n, hq, hkv, hd, kc, vc, kd->L, kd->mask, scale, 0.f, att, nthreads) != 0) {
             free(buf);
             return -1;
         }

@@ -8,8 +8,8 @@
  * row's result never depends on the other rows of the call (batch invariance, which speculative
  * verification needs). -ffp-contract=off: no multiply-add is fused unless written as one.
  *
- *   gs_attention    grouped-query attention of t query rows over L keys (softmax(q k^T * scale) v),
- *                   the operations of gemmaspec.models.base.attention row by row.
+ *   gs_attention_mt grouped-query attention of t query rows over L keys (softmax(q k^T * scale) v) in
+ *                   blocks of keys, on the thread pool; gs_attention: the same on one thread.
  *   gs_gelu_mul     gelu_tanh(gate) * up for a fused [gate | up] projection (Gemma's MLP).
  *   gs_add_rms_norm x + rms_norm(a) * w (Gemma's post-attention / post-MLP norm and residual add).
  *
@@ -47,65 +47,149 @@ static inline float at_reduce16(const float a[AT_LANES]) {
     return ((b[0] + b[4]) + (b[2] + b[6])) + ((b[1] + b[5]) + (b[3] + b[7]));
 }
 
-/* q: query row r, head j at q + r * ldq + j * d (d a multiple of 16). k, v: [L, hkv, d] rows of
- * hkv * d values. mask: uint8 [t, L] (nonzero = may attend) or NULL (every key visible). softcap > 0:
- * scores become tanh(s / softcap) * softcap (Gemma 2 style; 0 = none). out: [t, h, d] contiguous.
- * Per (row, head): s_l = (q . k_l) * scale; p_l = exp(s_l - max) over visible keys (0 elsewhere);
- * out = sum_l (p_l / sum p) * v_l, l ascending. Returns 0, or -1 when d is not a multiple of 16 or
- * scratch memory could not be had (the caller falls back to PyTorch). */
-int gs_attention(const float *q, long ldq, int t, int h, int hkv, int d, const float *k, const float *v, int L,
-                 const uint8_t *mask, float scale, float softcap, float *out) {
-    if (d % AT_LANES || hkv <= 0 || h % hkv || L <= 0) return -1;
-    float stackbuf[4096];
-    float *p = L <= 4096 ? stackbuf : (float *)malloc(sizeof(float) * (size_t)L);
-    if (!p) return -1;
-    const int g = h / hkv;
-    const long ldk = (long)hkv * d;
-    for (int r = 0; r < t; r++) {
-        const uint8_t *mr = mask ? mask + (long)r * L : NULL;
-        for (int j = 0; j < h; j++) {
-            const float *qh = q + (long)r * ldq + (long)j * d;
-            const float *kh = k + (long)(j / g) * d, *vh = v + (long)(j / g) * d;
-            float mx = -INFINITY;
-            for (int l = 0; l < L; l++) {
-                if (mr && !mr[l]) { p[l] = -INFINITY; continue; }
-                const float *kl = kh + l * ldk;
-                float a[AT_LANES] = {0};
-                for (int i = 0; i < d; i += AT_LANES)
-                    for (int u = 0; u < AT_LANES; u++) a[u] += qh[i + u] * kl[i + u];
-                float s = at_reduce16(a) * scale;
-                if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
-                p[l] = s;
-                mx = s > mx ? s : mx;
+/* Grouped-query attention in blocks of keys (flash-decoding's split; Dao et al., "Flash-Decoding for
+ * long-context inference", 2023), with every order fixed so that a row's bits never depend on the other
+ * rows of the call or on the thread count:
+ *   - the keys are cut into blocks of AT_BLOCK positions (a constant: not a function of L, t or threads);
+ *   - a task is one (K/V head, block): it reads each of the block's keys and values once, for all the
+ *     g = h / hkv query heads that share that K/V head and all t rows (before: once per query head);
+ *     scores s_l = (q . k_l) * scale (16 lanes, at_reduce16), the block's max m_b over visible keys,
+ *     p_l = exp(s_l - m_b), s_b = sum p_l (lane l % 16, at_reduce16), o_b = sum_l p_l v_l (l ascending);
+ *   - a second pass per query combines the blocks in ascending order: M = max m_b, w_b = exp(m_b - M),
+ *     out = (sum_b w_b o_b) / (sum_b w_b s_b).
+ * The tasks of both passes run on the thread pool (gs_parallel); each writes its own memory. Scores of
+ * AT_QB queries against one key are computed together (independent add chains: the dot of one query
+ * alone is a chain of d/16 dependent adds). */
+#define AT_BLOCK 256
+#define AT_QB 4
+
+typedef struct {
+    const float *q;
+    long ldq;
+    int t, h, hkv, d, g, nq, L, nblk;
+    const float *k, *v;
+    const uint8_t *mask;
+    float scale, softcap;
+    float *po, *pm, *ps, *sc; /* partials [hkv][nblk][nq][d], [hkv][nblk][nq] x 2; scores [hkv][nblk][nq][AT_BLOCK] */
+    float *out;
+} at_job;
+
+static inline const float *at_query(const at_job *j, int kvh, int qi) { /* query qi = r * g + jj of K/V head kvh */
+    const int r = qi / j->g, jj = qi % j->g;
+    return j->q + (long)r * j->ldq + (long)(kvh * j->g + jj) * j->d;
+}
+
+static void at_block_task(void *ctx, int task) {
+    const at_job *j = (const at_job *)ctx;
+    const int kvh = task / j->nblk, b = task % j->nblk, d = j->d, nq = j->nq;
+    const int l0 = b * AT_BLOCK, l1 = l0 + AT_BLOCK < j->L ? l0 + AT_BLOCK : j->L, n = l1 - l0;
+    const long ldk = (long)j->hkv * d, part = (long)kvh * j->nblk + b;
+    float *S = j->sc + part * nq * AT_BLOCK, *O = j->po + part * nq * d;
+    float *pm = j->pm + part * nq, *ps = j->ps + part * nq;
+    for (int l = l0; l < l1; l++) { /* scores: each key read once for the nq queries */
+        const float *kl = j->k + (long)l * ldk + (long)kvh * d;
+        for (int q0 = 0; q0 < nq; q0 += AT_QB) {
+            const float *qs[AT_QB];
+            for (int a = 0; a < AT_QB; a++) qs[a] = at_query(j, kvh, q0 + a < nq ? q0 + a : nq - 1);
+            float acc[AT_QB][AT_LANES] = {{0}};
+            for (int i = 0; i < d; i += AT_LANES)
+                for (int a = 0; a < AT_QB; a++)
+                    for (int u = 0; u < AT_LANES; u++) acc[a][u] += qs[a][i + u] * kl[i + u];
+            for (int a = 0; a < AT_QB && q0 + a < nq; a++) {
+                const int qi = q0 + a, r = qi / j->g;
+                float s = at_reduce16(acc[a]) * j->scale;
+                if (j->softcap > 0.f) s = tanhf(s / j->softcap) * j->softcap;
+                if (j->mask && !j->mask[(long)r * j->L + l]) s = -INFINITY;
+                S[(long)qi * AT_BLOCK + (l - l0)] = s;
             }
-            float *o = out + ((long)r * h + j) * d;
-            for (int i = 0; i < d; i++) o[i] = 0.f;
-            if (mx == -INFINITY) continue; /* no visible key (not reached by a causal mask) */
-            /* p_l = exp(s_l - max), exactly 0 for hidden keys; lane l % 16 of the sum (a hidden key adds 0) */
-            float sa[AT_LANES] = {0};
+        }
+    }
+    for (int qi = 0; qi < nq; qi++) { /* the block's softmax numerators and their sum */
+        float *p = S + (long)qi * AT_BLOCK;
+        float mx = -INFINITY;
+        for (int l = 0; l < n; l++) mx = p[l] > mx ? p[l] : mx;
+        pm[qi] = mx;
+        float sa[AT_LANES] = {0};
+        if (mx != -INFINITY) {
             int l = 0;
-            for (; l + AT_LANES <= L; l += AT_LANES)
+            for (; l + AT_LANES <= n; l += AT_LANES)
                 for (int u = 0; u < AT_LANES; u++) {
                     const float e = gs_expf(p[l + u] - mx);
                     p[l + u] = p[l + u] == -INFINITY ? 0.f : e;
                     sa[u] += p[l + u];
                 }
-            for (int u = 0; l + u < L; u++) {
+            for (int u = 0; l + u < n; u++) {
                 const float e = gs_expf(p[l + u] - mx);
                 p[l + u] = p[l + u] == -INFINITY ? 0.f : e;
                 sa[u] += p[l + u];
             }
-            const float sum = at_reduce16(sa);
-            for (l = 0; l < L; l++) {
-                if (p[l] == 0.f) continue; /* hidden key */
-                const float w = p[l] / sum;
-                const float *vl = vh + l * ldk;
-                for (int i = 0; i < d; i++) o[i] += w * vl[i];
-            }
+        } else {
+            for (int l = 0; l < n; l++) p[l] = 0.f;
+        }
+        ps[qi] = at_reduce16(sa);
+    }
+    for (long i = 0; i < (long)nq * d; i++) O[i] = 0.f;
+    for (int l = l0; l < l1; l++) { /* o_b: each value row read once for the nq queries */
+        const float *vl = j->v + (long)l * ldk + (long)kvh * d;
+        for (int qi = 0; qi < nq; qi++) {
+            const float w = S[(long)qi * AT_BLOCK + (l - l0)];
+            if (w == 0.f) continue; /* hidden key */
+            float *o = O + (long)qi * d;
+            for (int i = 0; i < d; i++) o[i] += w * vl[i];
         }
     }
-    if (p != stackbuf) free(p);
+}
+
+static void at_combine_task(void *ctx, int task) { /* one (K/V head, query): the blocks in ascending order */
+    const at_job *j = (const at_job *)ctx;
+    const int kvh = task / j->nq, qi = task % j->nq, d = j->d, nq = j->nq;
+    const int r = qi / j->g, head = kvh * j->g + qi % j->g;
+    float *o = j->out + ((long)r * j->h + head) * d;
+    float mx = -INFINITY;
+    for (int b = 0; b < j->nblk; b++) {
+        const float m = j->pm[((long)kvh * j->nblk + b) * nq + qi];
+        mx = m > mx ? m : mx;
+    }
+    for (int i = 0; i < d; i++) o[i] = 0.f;
+    if (mx == -INFINITY) return; /* no visible key (not reached by a causal mask) */
+    float sum = 0.f;
+    for (int b = 0; b < j->nblk; b++) {
+        const long part = (long)kvh * j->nblk + b;
+        const float m = j->pm[part * nq + qi];
+        if (m == -INFINITY) continue; /* a block with no visible key adds nothing */
+        const float w = gs_expf(m - mx);
+        sum += w * j->ps[part * nq + qi];
+        const float *ob = j->po + (part * nq + qi) * d;
+        for (int i = 0; i < d; i++) o[i] += w * ob[i];
+    }
+    for (int i = 0; i < d; i++) o[i] = o[i] / sum;
+}
+
+/* q: query row r, head j at q + r * ldq + j * d (d a multiple of 16). k, v: [L, hkv, d] rows of
+ * hkv * d values. mask: uint8 [t, L] (nonzero = may attend) or NULL (every key visible). softcap > 0:
+ * scores become tanh(s / softcap) * softcap (Gemma 2 style; 0 = none). out: [t, h, d] contiguous.
+ * softmax(q k^T * scale) v per (row, head), computed as described above on up to nthreads threads.
+ * Returns 0, or -1 when d is not a multiple of 16, h not a multiple of hkv, or scratch memory could
+ * not be had (the caller falls back to PyTorch). */
+int gs_attention_mt(const float *q, long ldq, int t, int h, int hkv, int d, const float *k, const float *v, int L,
+                    const uint8_t *mask, float scale, float softcap, float *out, int nthreads) {
+    if (d % AT_LANES || hkv <= 0 || h % hkv || L <= 0 || t <= 0) return -1;
+    const int g = h / hkv, nq = g * t, nblk = (L + AT_BLOCK - 1) / AT_BLOCK;
+    const size_t parts = (size_t)hkv * nblk * nq;
+    float *buf = (float *)malloc(sizeof(float) * parts * ((size_t)d + 2 + AT_BLOCK));
+    if (!buf) return -1;
+    at_job j = {q, ldq, t, h, hkv, d, g, nq, L, nblk, k, v, mask, scale, softcap,
+                buf, buf + parts * d, buf + parts * d + parts, buf + parts * (d + 2), out};
+    gs_parallel(hkv * nblk, nthreads, at_block_task, &j);
+    gs_parallel(hkv * nq, nthreads, at_combine_task, &j);
+    free(buf);
     return 0;
+}
+
+/* gs_attention_mt on the calling thread alone. */
+int gs_attention(const float *q, long ldq, int t, int h, int hkv, int d, const float *k, const float *v, int L,
+                 const uint8_t *mask, float scale, float softcap, float *out) {
+    return gs_attention_mt(q, ldq, t, h, hkv, d, k, v, L, mask, scale, softcap, out, 1);
 }
 
 /* out [n, f] = gelu_tanh(x[:, :f]) * x[:, f:2f] for x [n, ldx >= 2f]:

@@ -13,7 +13,7 @@ import torch
 
 from ..engine import Engine
 from ..errors import InputError
-from ..kernels import load_library
+from ..kernels import load_library, resolve_act_quant
 from . import load_checkpoint
 
 
@@ -53,6 +53,20 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads if threads is not None else physical_cores())
 
 
+def step_bytes(model) -> int:
+    """Bytes of weights one decode step of ``model`` reads: every entry of ``model.weights`` (its
+    memory held, ``nbytes``) except the token-embedding tables a token only looks up a row of
+    (``token_embd`` unless it is also the head, Gemma 4's ``per_layer_token_embd``). What
+    :func:`~gemmaspec.kernels.resolve_act_quant` decides ``--act-quant auto`` by."""
+    head = getattr(model, "head", None)
+    total = 0
+    for name, t in getattr(model, "weights", {}).items():
+        if name.endswith("token_embd.weight") and t is not head:
+            continue
+        total += int(getattr(t, "nbytes", 0))
+    return total
+
+
 def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", threads: int | None = None) -> Engine:
     """A ready :class:`Engine`.
 
@@ -76,6 +90,7 @@ def _load_engine(path, ctx_size, device, threads) -> Engine:
     loaded = load_checkpoint(path, resolve_device(device), role="target")
     if loaded.model.device.type == "cpu":
         load_library()  # a first start compiles the kernel here, so it counts as loading, not as prefill
+        resolve_act_quant(step_bytes(loaded.model))
     if ctx_size is None:  # default: 4096, or the model's context when that is smaller
         ctx_size = min(4096, loaded.config.context_length)
     ctx = ctx_size if ctx_size > 0 else loaded.config.context_length

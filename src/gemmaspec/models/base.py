@@ -9,7 +9,7 @@ import torch
 
 import contextlib
 
-from ..kernels import SMALL_M, BlockWeight, load_library, ops_on_one_thread
+from ..kernels import SMALL_M, BlockWeight, load_library, ops_on_one_thread, threads
 from ..kv_cache import KVCache
 
 @dataclass
@@ -189,8 +189,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
     Returns:
         float32 [T, H, D]. On the CPU with the C kernel, up to ``SMALL_M`` query rows (decode, verify,
-        drafting) go through one call of ``gs_attention`` (``kernels/stepops.h``: each row on its own,
-        so a row's bits do not depend on the others); more rows (prefill) and autograd use PyTorch's
+        drafting) go through one call of ``gs_attention_mt`` (``kernels/stepops.h``: blocks of 256 keys
+        on the kernel's threads, each K/V head read once for the query heads sharing it, every order
+        fixed, so a row's bits depend neither on the other rows nor on the thread count); more rows (prefill) and autograd use PyTorch's
         ops below. Both compute softmax(q k^T * scale) v in float32; they differ by float rounding.
     """
     t, h, d = q.shape
@@ -229,8 +230,9 @@ def _attention_c(q, k, v, mask, scale, softcap):
             return None
         mask = mask.contiguous()
     out = torch.empty(t, h, d, dtype=torch.float32)
-    rc = lib.gs_attention(q.data_ptr(), q.stride(0), t, h, hkv, d, k.data_ptr(), v.data_ptr(), L,
-                          None if mask is None else mask.data_ptr(), scale, softcap or 0.0, out.data_ptr())
+    rc = lib.gs_attention_mt(q.data_ptr(), q.stride(0), t, h, hkv, d, k.data_ptr(), v.data_ptr(), L,
+                             None if mask is None else mask.data_ptr(), scale, softcap or 0.0, out.data_ptr(),
+                             threads())
     return out if rc == 0 else None
 
 

@@ -118,7 +118,7 @@ def new_state(cfg: ServeConfig, on_ready=None, on_load_error=None) -> ServerStat
         log.info("model %s loaded in %.2f s: context %d, %d slots, speculative %s (n_max %s%s)%s%s",
                  m.model_id, m.load_s, m.engine.ctx_size, cfg.n_slots, m.spec_type, cfg.spec.n_max,
                  f", p_min {m.p_min:g}" if spec_model_type(m.spec_type) else "",
-                 "; int8 activations (--act-quant q8_0)" if kernels.act_quant() == "q8_0" else "",
+                 "; int8 activations (--act-quant q8_0, or auto for a model this size)" if kernels.act_quant() == "q8_0" else "",
                  "" if scheduler.batched else "; this model has no batched forward, slots take turns")
         if on_ready:
             on_ready()
