@@ -350,9 +350,11 @@ class GemmaTokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final: bool = False, template_kwargs: dict | None = None) -> list[int]:
-        """Ids of the rendered chat prompt (the template writes BOS itself, so none is added);
-        ``add_generation_prompt``, ``continue_final`` and ``template_kwargs`` as in
-        :meth:`apply_chat_template`.
+        """Ids of the rendered chat prompt, with BOS exactly once where the model adds it: the
+        template's own ``<bos>`` is that BOS, and one is added only to a rendering that lacks it
+        (llama-server strips the template's BOS and lets the tokenizer add it: common/chat.cpp,
+        ``common_chat_template_direct_apply``; same ids). ``add_generation_prompt``, ``continue_final``
+        and ``template_kwargs`` as in :meth:`apply_chat_template`.
 
         Message contents are text: a control-token spelling inside one (``<end_of_turn>`` typed by a
         user) is tokenized as characters, so a message cannot forge a turn. Only the template's own
@@ -365,11 +367,10 @@ class GemmaTokenizer:
         opts = {"add_generation_prompt": add_generation_prompt, "continue_final": continue_final,
                 "template_kwargs": template_kwargs}
         text = self.apply_chat_template(messages, **opts)
-        bos = self.id_to_token(self.bos_id)
         specials = self.special_ids
         if not any(specials.intersection(self.encode(m["content"], add_bos=False))
                    for m in messages if m["content"]):
-            return self.encode(text, add_bos=not text.startswith(bos))
+            return self.encode(text)
         return self._encode_chat_guarded(messages, text, opts)
 
     def _encode_chat_guarded(self, messages: list[dict], text: str, opts: dict | None = None) -> list[int]:
