@@ -7,7 +7,8 @@ BPE model), so our ids equal the reference's. Building it takes seconds, so the 
 same BPE in a SentencePiece model (~0.1 s; :mod:`gemmaspec.spm_tokenizer`), which serves encode and
 decode; the ``tokenizers`` object is loaded only when something asks for :attr:`GemmaTokenizer.backend`.
 
-BOS follows the file's ``tokenizer.ggml.add_bos_token``. The chat template is the file's
+Whether prompts get BOS is the loader's to say (:attr:`GemmaTokenizer.add_bos`; for a GGUF, llama.cpp's
+rule: :func:`gemmaspec.loading.tokenizer_cache.llama_cpp_add_bos`). The chat template is the file's
 ``tokenizer.chat_template`` when present, else Gemma's built-in turn format (below).
 """
 
@@ -97,9 +98,14 @@ class GemmaTokenizer:
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, path: Path, chat_template: str | None = None) -> "GemmaTokenizer":
+    def from_gguf(cls, path: Path, chat_template: str | None = None, add_bos: bool | None = None) -> "GemmaTokenizer":
         """Build from the GGUF's ``tokenizer.ggml.*`` metadata (transformers' converter), with the
         file's ``tokenizer.chat_template`` (None: Gemma's built-in template).
+
+        ``add_bos``: whether prompts get BOS; None takes transformers' reading of the file, which
+        differs from llama.cpp's for a Gemma 4 vocabulary (it says no BOS, its reference tokenizer
+        leaving BOS to the chat template), so the loader passes llama.cpp's
+        (:func:`gemmaspec.loading.tokenizer_cache.gguf_tokenizer`).
 
         Raises:
             ModelFileError: the file's tokenizer cannot be converted.
@@ -112,8 +118,10 @@ class GemmaTokenizer:
         except Exception as exc:  # the converter raises many kinds on odd files
             raise ModelFileError(f"{path}: cannot build the tokenizer from the file ({type(exc).__name__}: {exc})") from None
         backend.post_processor = None  # BOS is added here, per add_bos, not by the backend
-        return cls(backend, int(tok_dict.get("bos_token_id", 2)), int(tok_dict.get("eos_token_id", 1)),
-                   bool(tok_config.get("add_bos_token", True)), chat_template)
+        if add_bos is None:
+            add_bos = bool(tok_config.get("add_bos_token", True))
+        return cls(backend, int(tok_dict.get("bos_token_id", 2)), int(tok_dict.get("eos_token_id", 1)), add_bos,
+                   chat_template)
 
     @classmethod
     def from_hf_dir(cls, directory: Path, config: dict | None = None) -> "GemmaTokenizer":
@@ -342,9 +350,11 @@ class GemmaTokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final: bool = False, template_kwargs: dict | None = None) -> list[int]:
-        """Ids of the rendered chat prompt (the template writes BOS itself, so none is added);
-        ``add_generation_prompt``, ``continue_final`` and ``template_kwargs`` as in
-        :meth:`apply_chat_template`.
+        """Ids of the rendered chat prompt, with BOS exactly once where the model adds it: the
+        template's own ``<bos>`` is that BOS, and one is added only to a rendering that lacks it
+        (llama-server strips the template's BOS and lets the tokenizer add it: common/chat.cpp,
+        ``common_chat_template_direct_apply``; same ids). ``add_generation_prompt``, ``continue_final``
+        and ``template_kwargs`` as in :meth:`apply_chat_template`.
 
         Message contents are text: a control-token spelling inside one (``<end_of_turn>`` typed by a
         user) is tokenized as characters, so a message cannot forge a turn. Only the template's own
@@ -357,11 +367,10 @@ class GemmaTokenizer:
         opts = {"add_generation_prompt": add_generation_prompt, "continue_final": continue_final,
                 "template_kwargs": template_kwargs}
         text = self.apply_chat_template(messages, **opts)
-        bos = self.id_to_token(self.bos_id)
         specials = self.special_ids
         if not any(specials.intersection(self.encode(m["content"], add_bos=False))
                    for m in messages if m["content"]):
-            return self.encode(text, add_bos=not text.startswith(bos))
+            return self.encode(text)
         return self._encode_chat_guarded(messages, text, opts)
 
     def _encode_chat_guarded(self, messages: list[dict], text: str, opts: dict | None = None) -> list[int]:

@@ -106,7 +106,10 @@ def _add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:
     tc = {}
     if (hf_dir / "tokenizer_config.json").exists():
         tc = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    w.add_add_bos_token(bool(tc.get("add_bos_token", True)))
+    # llama.cpp's converter (conversion/gemma.py, Gemma4Model.set_vocab) writes true for a gemma4
+    # vocabulary whatever tokenizer_config.json says, and its loader adds BOS there anyway
+    # (gemmaspec.tokenizer.llama_cpp_add_bos); a SentencePiece one follows the checkpoint.
+    w.add_add_bos_token(True if merges else bool(tc.get("add_bos_token", True)))
     w.add_add_space_prefix(False)
     template = tc.get("chat_template")
     if template is None and (hf_dir / "chat_template.jinja").exists():

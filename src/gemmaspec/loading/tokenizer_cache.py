@@ -39,6 +39,44 @@ log = logging.getLogger(__name__)
 CACHE_VERSION = 3  # bump when what is saved, or how it is built, changes
 
 
+# llama.cpp, src/llama-vocab.cpp, llama_vocab::impl::load: the vocabulary types that add BOS unless the
+# file says otherwise (SPM "llama", WPM "bert"; UGM "t5", RWKV and BPE do not), the BPE types
+# ("tokenizer.ggml.model") and the BPE pre-tokenizers ("tokenizer.ggml.pre") that turn BOS on, and the
+# pre-tokenizers of LLAMA_VOCAB_PRE_TYPE_GEMMA4 ("gemma4" is also forced for a "gemma4" model).
+_BOS_MODELS = frozenset({"llama", "bert"})
+_BPE_MODELS = frozenset({"gpt2", "hybriddna", "whitespace", "gemma4"})
+_BOS_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                      "jina-v5-nano", "tekken", "chameleon"})
+_GEMMA4_PRE = frozenset({"gemma4", "granite-embed-multi-311m"})
+
+
+def llama_cpp_add_bos(model: str | None, pre: str | None, flag: bool | None) -> bool:
+    """Whether llama.cpp adds BOS to a prompt it tokenizes with special tokens, for a GGUF whose
+    ``tokenizer.ggml.model`` is ``model``, ``tokenizer.ggml.pre`` is ``pre`` and
+    ``tokenizer.ggml.add_bos_token`` is ``flag`` (None: absent).
+
+    As llama.cpp's ``llama_vocab::impl::load`` (src/llama-vocab.cpp) decides it: the vocabulary
+    type's default (SPM ``llama`` and WPM ``bert``: yes; BPE: only for the llama3 / tekken /
+    chameleon pre-tokenizers; UGM, RWKV: no), then the file's flag when it has one, then the Gemma 4
+    workaround (ggml-org/llama.cpp#21500): a ``gemma4`` vocabulary (its pre-tokenizer is always
+    ``gemma4``) adds BOS even when the flag says false, since the base Gemma 4 models degrade without
+    it. A file without ``tokenizer.ggml.model`` is taken as SPM (llama.cpp refuses it; Gemma wants BOS).
+    """
+    if model == "gemma4":
+        pre = "gemma4"
+    bpe = model in _BPE_MODELS
+    add = model is None or model in _BOS_MODELS or (bpe and pre in _BOS_PRE)
+    if flag is not None:
+        add = bool(flag)
+    return add or (bpe and pre in _GEMMA4_PRE)
+
+
+def gguf_add_bos(header: GGUFHeader) -> bool:
+    """:func:`llama_cpp_add_bos` of ``header``'s tokenizer keys."""
+    return llama_cpp_add_bos(header.get("tokenizer.ggml.model"), header.get("tokenizer.ggml.pre"),
+                             header.get("tokenizer.ggml.add_bos_token"))
+
+
 def tokenizer_key(header: GGUFHeader) -> str:
     """The cache key of ``header``'s tokenizer (hex): a hash of the tokenizer metadata's raw bytes."""
     keys = [k for k in header.fields if k.startswith("tokenizer.")] + ["general.architecture"]
@@ -94,6 +132,9 @@ def gguf_tokenizer(header: GGUFHeader, use_cache: bool = True) -> GemmaTokenizer
     """The tokenizer of a target GGUF: from the cache, or built (and, with ``use_cache``, saved).
 
     A build says so in the log (``gemmaspec`` logger, INFO; one line), since it takes seconds.
+    Whether prompts get BOS is read from the header on every load (:func:`gguf_add_bos`, llama.cpp's
+    rule), not from the entry: entries saved before gemmaspec followed llama.cpp there hold
+    transformers' ``false`` for a ``gemma4`` vocabulary.
 
     Raises:
         ModelFileError: the file has no vocabulary, or it cannot be converted.
@@ -106,13 +147,15 @@ def gguf_tokenizer(header: GGUFHeader, use_cache: bool = True) -> GemmaTokenizer
             entry = tokenizer_dir(header)
         except OSError as exc:  # the cache directory cannot be created
             log.warning("gemmaspec: no tokenizer cache (%s); building the tokenizer (a few seconds)", exc)
+    add_bos = gguf_add_bos(header)
     if entry is not None:
         tok = _load(entry, header)
         if tok is not None:
+            tok.add_bos = add_bos
             return tok
         log.info("gemmaspec: building the tokenizer of %s (first use of this vocabulary, a few seconds); later "
                  "starts reuse it from %s", header.path.name, entry.parent)
-    tok = GemmaTokenizer.from_gguf(header.path, header.get("tokenizer.chat_template"))
+    tok = GemmaTokenizer.from_gguf(header.path, header.get("tokenizer.chat_template"), add_bos)
     why = tok.add_fast_path()
     if why is not None:
         log.warning("gemmaspec: this vocabulary has no fast tokenizer (%s); each start loads it with tokenizers "

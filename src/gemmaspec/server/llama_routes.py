@@ -123,14 +123,17 @@ async def prometheus(st: ServerState = Depends(server_state)):
 # -- tokens and templates --------------------------------------------------------------------------------
 @router.post("/tokenize")
 async def tokenize(request: Request, st: ServerState = Depends(loaded)):
-    """Text → token ids (``with_pieces``: with their text), as llama-server's ``/tokenize``."""
+    """Text → token ids (``with_pieces``: with their text), as llama-server's ``/tokenize``:
+    ``add_special`` adds BOS only where the model's vocabulary adds it (llama.cpp's
+    ``llama_vocab::impl::tokenize``: ``add_special && add_bos``), and never a second one."""
     body = await json_body(request)
     content = body.get("content")
     if not isinstance(content, str):
         raise APIError(400, "missing required field 'content' (the text to tokenize)")
     tok = st.engine.tokenizer
-    ids = tok.encode(content, add_bos=bool(body.get("add_special", False))) if body.get("parse_special", True) \
-        else tok.encode_text(content, add_bos=bool(body.get("add_special", False)))
+    add_bos = None if body.get("add_special", False) else False  # None: the tokenizer's own setting
+    ids = tok.encode(content, add_bos=add_bos) if body.get("parse_special", True) \
+        else tok.encode_text(content, add_bos=add_bos)
     if not body.get("with_pieces", False):
         return {"tokens": ids}
     text_of = TokenText(tok)
