@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import threading
 import time
@@ -140,6 +141,7 @@ def main() -> None:
               + " ".join(f"{row['verify_ratio'][k]:.2f}" for k in range(1, a.max_k + 1))
               + (f"; draft {d:.2f} ms" if d is not None else "")
               + f"; projected MTP at A={a.accept} k={k}: {row['projection']['speedup']:.2f}x", file=sys.stderr)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     m = result["machine"]
     lines = [f"# Step costs: {result['model']}", "",
              f"Machine: {m.get('cpu', '?')}, {a.threads} threads. Load {load_s:.1f} s. Medians of {a.repeats}.", "",
@@ -150,7 +152,7 @@ def main() -> None:
         lines.append(f"| {ctx} | {r['decode_ms']:.1f} | {r['decode_tokens_per_s']:.2f} | "
                      + " | ".join(f"{r['verify_ratio'][k]:.2f}" for k in range(1, a.max_k + 1))
                      + f" | {r.get('draft_ms', float('nan')):.2f} | {r['projection']['speedup']:.2f}x |")
-    lines += ["", "Prefill: " + ", ".join(f"{n} tokens {v['tokens_per_s']:.1f} tokens/s"
+    lines += ["", f"Peak RSS {result['peak_rss_mib']:.0f} MiB.", "", "Prefill: " + ", ".join(f"{n} tokens {v['tokens_per_s']:.1f} tokens/s"
                                          for n, v in result["prefill"].items()),
               "", f"Projected MTP = A t(1) / (t(k+1) + k t_draft) at A = {a.accept}, k = {a.accept_k} "
               "(the seed article's measured acceptance): a projection from measured costs, not a measured speedup."]

@@ -12,10 +12,11 @@ kernel (Q4_1, Q5_1, Q5_K) are held. Both multiply with the same bits for the sam
 
 Products with few rows (decode, speculative verify: M <= ``SMALL_M``) run in ``qmatmul.c``, a C
 kernel compiled once per machine into the gemmaspec cache with the system C compiler (``cc``); it
-reads the weights straight from memory and multiplies them with fp32 activations, or, in the opt-in
-mode of :func:`set_act_quant` (``--act-quant q8_0``), with activations quantized to int8 per 32 values
-(llama.cpp's scheme; ``qdot8.h``). Larger products (prefill) dequantize a tile of rows at a time into a reused
-fp32 buffer and use PyTorch's matmul. Without a C compiler, or with ``GEMMASPEC_NO_KERNELS=1``, every product uses the
+reads the weights straight from memory and multiplies them with fp32 activations, or, in the
+int8 mode of :func:`set_act_quant` (``--act-quant q8_0``; what ``auto`` picks for models whose decode
+step reads >= 512 MiB), with activations quantized to int8 per 32 values (llama.cpp's scheme;
+``qdot8.h``); in that mode prefill's products run there too. With fp32 activations larger products
+(prefill) dequantize a tile of rows at a time into a reused fp32 buffer and use PyTorch's matmul. Without a C compiler, or with ``GEMMASPEC_NO_KERNELS=1``, every product uses the
 dequantized fp32 matrix, kept in memory: correct, slower, four times the memory.
 
 Where things live: :mod:`~gemmaspec.kernels.build` (the compiler, CPU features, the compiled library,

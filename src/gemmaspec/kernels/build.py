@@ -87,8 +87,9 @@ def set_act_quant(mode: str) -> None:
     (:func:`resolve_act_quant`): q8_0 for models whose decode step reads at least ``AUTO_Q8_BYTES``
     of weights (Gemma 4 E2B and larger: there the fp32 products are compute-bound on a CPU, and
     llama.cpp computes the same way), none below (Gemma 3 270M: memory-bound, fp32 costs nothing).
-    Either mode is batch-invariant, so speculative decoding stays lossless within it. Many-row products
-    (prefill) keep fp32 activations. ``GEMMASPEC_ACT_QUANT`` sets the initial mode.
+    Either mode is batch-invariant, so speculative decoding stays lossless within it. With q8_0 the
+    many-row products of a prefill go through the same integer kernel; with none they stay PyTorch's
+    float32 matmul. ``GEMMASPEC_ACT_QUANT`` sets the initial mode.
 
     Raises:
         ValueError: a mode not in :data:`ACT_QUANTS`.
