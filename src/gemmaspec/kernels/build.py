@@ -221,6 +221,7 @@ def matmul_library(isa: str = "auto"):
         "gs_rms_norm": [P, P, I, I, ctypes.c_float, P],
         "gs_norm_rope": [P, ctypes.c_long, I, I, I, P, I, P, P, P, ctypes.c_float, P],
         "gs_gelu_mul": [P, ctypes.c_long, I, I, P],
+        "gs_gelu_mul2": [P, ctypes.c_long, P, ctypes.c_long, I, I, P],
         "gs_add_rms_norm": [P, P, I, I, ctypes.c_float, P, P],
     }
     for name, args in sigs.items():
