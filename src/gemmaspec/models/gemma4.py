@@ -35,6 +35,7 @@ from ..kernels import BlockWeight, CPUBlockWeight, StackedWeight
 from ..kv_cache import KVCache
 from .base import (ForwardOutput, add_rms_norm, attention, gelu_mul, gelu_mul_by, linear, norm_rope, rms_norm,
                    rope_cos_sin, rope_span, step_threads)
+from .decode_step4 import run_layers4
 
 
 def _lookup(table, ids: torch.Tensor) -> torch.Tensor:
@@ -301,9 +302,13 @@ class Gemma4Model:
         plans = {"sliding": cache.plan(start, t, c.sliding_window), "full": cache.plan(start, t, None)}
         x = _lookup(w["token_embd.weight"], tokens) * self.embed_scale
         ple = self._per_layer_inputs(tokens, x) if c.hidden_size_per_layer_input else None
-        shared = {}
-        for i, ly in enumerate(self.layers):
-            x = self._layer(i, ly, x, ple, cache, start, plans[ly.kind], rope[ly.kind], shared)
+        fast = None if c.enable_moe_block else run_layers4(self, x, ple, cache, start, plans, rope)
+        if fast is not None:
+            x = fast
+        else:
+            shared = {}
+            for i, ly in enumerate(self.layers):
+                x = self._layer(i, ly, x, ple, cache, start, plans[ly.kind], rope[ly.kind], shared)
         cache.advance(start, t)
         hidden = rms_norm(x, w["output_norm.weight"], eps)
         logits = linear(self.head, hidden if all_logits else hidden[-1:])
@@ -314,7 +319,8 @@ class Gemma4Model:
 
     def _layer(self, i: int, ly: _Layer, x: torch.Tensor, ple, cache: KVCache, start: int, plan, rope,
                shared: dict) -> torch.Tensor:
-        """Decoder layer i on x float32 [T, hidden]: each step one call of a C helper where the C kernel
+        """Decoder layer i on x float32 [T, hidden] (the per-op path): each step one call of the C helper
+        that ``gs_gemma4_layers`` (``kernels/layers4.h``) calls at the same point, where the C kernel
         applies (else the same formula in PyTorch). ``shared``: layer → its (keys, values) this forward,
         what KV-shared layers read."""
         c, eps = self.config, self.config.rms_norm_eps
