@@ -89,12 +89,16 @@ int gs_gemma4_layers(int nl, const gs_layer4 *layers, float *const *kv, const gs
         F = ly->F > F ? ly->F : F;
     }
     const long pl = ple ? P : 0;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)n * (size_t)(3 * D + wq + wqk + watt + 3 * F + 2 * pl));
-    if (!buf) return -1;
+    /* every scratch buffer starts on a 64-byte line: the products' vector loads of x then never straddle two */
+    const long al[10] = {(long)n * D, n * wq, n * wqk, n * watt, (long)n * D, 2 * n * F, n * F, (long)n * D, n * pl,
+                         n * pl};
+    long total = 0;
+    for (int i = 0; i < 10; i++) total += (al[i] + 15) / 16 * 16;
+    float *buf = NULL;
+    if (posix_memalign((void **)&buf, 64, sizeof(float) * (size_t)total) != 0) return -1;
     gs_scratch4 s;
-    s.h = buf, s.qkv = s.h + (long)n * D, s.qk = s.qkv + n * wq, s.att = s.qk + n * wqk, s.a = s.att + n * watt;
-    s.gu = s.a + (long)n * D, s.g = s.gu + 2 * n * F, s.f = s.g + n * F, s.pg = s.f + (long)n * D;
-    s.pgo = s.pg + n * pl;
+    float **dst[10] = {&s.h, &s.qkv, &s.qk, &s.att, &s.a, &s.gu, &s.g, &s.f, &s.pg, &s.pgo};
+    for (long i = 0, at = 0; i < 10; at += (al[i] + 15) / 16 * 16, i++) *dst[i] = buf + at;
     int rc = 0;
     for (int l = 0; l < nl && rc == 0; l++) {
         const gs_layer4 *ly = &layers[l];
