@@ -238,6 +238,7 @@ def matmul_library(isa: str = "auto"):
         "gs_rms_norm": [P, P, I, I, ctypes.c_float, P],
         "gs_norm_rope": [P, ctypes.c_long, I, I, I, P, I, P, P, P, ctypes.c_float, P],
         "gs_gelu_mul": [P, ctypes.c_long, I, I, P],
+        "gs_gelu_mul2": [P, ctypes.c_long, P, ctypes.c_long, I, I, P],
         "gs_add_rms_norm": [P, P, I, I, ctypes.c_float, P, P],
     }
     for name, args in sigs.items():
@@ -249,6 +250,8 @@ def matmul_library(isa: str = "auto"):
     lib.gs_attention_mt.restype = I
     lib.gs_decode_layers.argtypes = [I, P, P, P, P, I, I, I, I, I, I, ctypes.c_float, ctypes.c_float, I, I, I]
     lib.gs_decode_layers.restype = I
+    lib.gs_gemma4_layers.argtypes = [I, P, P, P, P, P, I, I, I, I, ctypes.c_float, I, I, I]
+    lib.gs_gemma4_layers.restype = I
     lib.gs_assistant_step.argtypes = [I, P, P, P, P, P, I, I, I, I, I, ctypes.c_float, P, P, P, I, P, P, P, I, I]
     lib.gs_assistant_step.restype = I
     lib.gs_repack_x8.argtypes = [I, P, ctypes.c_long, I, P, I]

@@ -1294,4 +1294,5 @@ void gs_norm_rope(const float *x, long ldx, int n, int heads, int d, const float
 
 #include "stepops.h" /* attention, gelu * up, norm + residual of a decode step */
 #include "layers.h" /* a decode step's layers in one call */
+#include "layers4.h" /* a Gemma 4 decode step's layers in one call */
 #include "assistant.h" /* an MTP assistant's draft step in one call */

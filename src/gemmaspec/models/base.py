@@ -253,6 +253,23 @@ def gelu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_mul_by(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(g) * u for g, u float32 [T, F] (u may be a strided view, e.g. one layer's column of
+    Gemma 4's per-layer inputs [T, layers, F]) → float32 [T, F]. On the CPU with the C kernel: one call
+    of ``gs_gelu_mul2`` (``kernels/layers4.h``; :func:`gelu_mul`'s arithmetic, row by row); else
+    PyTorch's ``gelu(approximate="tanh") * u``."""
+    t, f = g.shape
+    ok = (g.device.type == "cpu" and u.device.type == "cpu" and g.dtype == u.dtype == torch.float32
+          and tuple(u.shape) == (t, f) and g.stride(1) == 1 and u.stride(1) == 1
+          and not (torch.is_grad_enabled() and (g.requires_grad or u.requires_grad)))
+    lib = load_library() if ok else None
+    if lib is None:
+        return torch.nn.functional.gelu(g, approximate="tanh") * u
+    out = torch.empty(t, f, dtype=torch.float32)
+    lib.gs_gelu_mul2(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), t, f, out.data_ptr())
+    return out
+
+
 def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x + :func:`rms_norm` (a, weight, eps), float32 [..., D] (the residual add after Gemma's post-norms):
     one call of ``gs_add_rms_norm`` on the CPU with the C kernel, the same bits as the two ops."""

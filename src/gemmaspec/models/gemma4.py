@@ -31,9 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from .config import Gemma4Config
-from ..kernels import BlockWeight
+from ..kernels import BlockWeight, CPUBlockWeight, StackedWeight
 from ..kv_cache import KVCache
-from .base import ForwardOutput, apply_rope, attention, linear, rms_norm, rope_cos_sin, step_threads
+from .base import (ForwardOutput, add_rms_norm, attention, gelu_mul, gelu_mul_by, linear, norm_rope, rms_norm,
+                   rope_cos_sin, rope_span, step_threads)
+from .decode_step4 import run_layers4
 
 
 def _lookup(table, ids: torch.Tensor) -> torch.Tensor:
@@ -43,20 +45,76 @@ def _lookup(table, ids: torch.Tensor) -> torch.Tensor:
     return table.rows(ids) if isinstance(table, BlockWeight) else table[ids]
 
 
+def _rotary_dim(c: Gemma4Config) -> int:
+    """Dimensions of a full layer's head that rotate (proportional RoPE): 2 * floor(factor * global_head_dim / 2)."""
+    return 2 * int(c.partial_rotary_factor * c.global_head_dim // 2)
+
+
 def rope_tables(c: Gemma4Config, pos: torch.Tensor) -> dict:
     """cos/sin per layer type for positions int64 [T]: sliding layers rotate the whole head (base
     ``rope_theta_local``); full layers use proportional RoPE over ``global_head_dim``."""
     return {
         "sliding": rope_cos_sin(pos, c.head_dim, c.rope_theta_local),
-        "full": rope_cos_sin(pos, c.global_head_dim, c.rope_theta_global,
-                             rotary_dim=2 * int(c.partial_rotary_factor * c.global_head_dim // 2)),
+        "full": rope_cos_sin(pos, c.global_head_dim, c.rope_theta_global, rotary_dim=_rotary_dim(c)),
     }
 
 
-def gated_mlp(w: dict, prefix: str, h: torch.Tensor) -> torch.Tensor:
-    """down(gelu_tanh(gate(h)) * up(h)) with the weights under ``prefix`` (``...mlp.gate_proj.weight``)."""
-    gate = F.gelu(linear(w[prefix + "ffn_gate.weight"], h), approximate="tanh")
-    return linear(w[prefix + "ffn_down.weight"], gate * linear(w[prefix + "ffn_up.weight"], h))
+def rope_rows(c: Gemma4Config, start: int, t: int) -> dict:
+    """:func:`rope_tables` of positions ``start .. start + t - 1`` as rows of the CPU table (views, the
+    same values; see :func:`~gemmaspec.models.base.rope_span`)."""
+    return {
+        "sliding": rope_span(start, t, c.head_dim, c.rope_theta_local),
+        "full": rope_span(start, t, c.global_head_dim, c.rope_theta_global, rotary_dim=_rotary_dim(c)),
+    }
+
+
+def _fuse(parts):
+    """The CPU block-quantized weights ``parts`` (same K) side by side along N, one kernel call for all
+    (:class:`~gemmaspec.kernels.StackedWeight`: no copy); None when they are not all such weights."""
+    if len(parts) < 2 or not all(isinstance(p, CPUBlockWeight) and p._device.type == "cpu" for p in parts):
+        return None
+    try:
+        return StackedWeight(parts)
+    except ValueError:
+        return None
+
+
+class _Layer:
+    """One decoder layer's weights as a forward uses them.
+
+    ``qkv``: the products of the layer's attention input side by side, [q | k | v] (own K/V), [q | k]
+    (``attention_k_eq_v`` full layer: V is K's output) or [q] (KV-shared layer), as one
+    :class:`~gemmaspec.kernels.StackedWeight` when they are block-quantized on the CPU, else None and
+    ``qkv_parts`` holds them. ``gate_up`` likewise ([gate | up]), else ``gate``/``up``. ``ple_*``: the
+    per-layer-input gate, projection and norm (None without per-layer embeddings); ``scale``: the
+    layer's output scalar float32 [1] or None.
+    """
+
+    def __init__(self, w: dict, i: int, c: Gemma4Config, src: list[int]):
+        p = f"blk.{i}."
+        self.kind, self.d, self.hkv = c.layer_types[i], c.layer_head_dim(i), c.layer_kv_heads(i)
+        self.src = src[i]
+        self.k_eq_v = bool(c.attention_k_eq_v and self.kind == "full")
+        self.kv = 0 if src[i] != i else 1 if self.k_eq_v else 2  # K/V products: none, k (V = K), k and v
+        self.attn_norm, self.q_norm = w[p + "attn_norm.weight"], w[p + "attn_q_norm.weight"]
+        self.k_norm = w[p + "attn_k_norm.weight"] if self.kv else self.q_norm
+        self.post_attn_norm, self.ffn_norm = w[p + "post_attention_norm.weight"], w[p + "ffn_norm.weight"]
+        self.post_ffn_norm = w[p + "post_ffw_norm.weight"]
+        names = ("attn_q", "attn_k", "attn_v")[:1 + self.kv]
+        self.qkv_parts = [w[p + n + ".weight"] for n in names]
+        self.qkv = _fuse(self.qkv_parts)
+        self.o, self.down = w[p + "attn_output.weight"], w[p + "ffn_down.weight"]
+        self.gate, self.up = w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]
+        self.gate_up = _fuse([self.gate, self.up])
+        self.ple_gate, self.ple_proj, self.ple_norm = (w.get(p + n) for n in ("inp_gate.weight", "proj.weight",
+                                                                           "post_norm.weight"))
+        self.scale = w.get(p + "layer_output_scale.weight")
+
+    def products(self) -> list:
+        """The layer's weights the kernel multiplies by (for the background regroup's sync)."""
+        mats = [self.qkv] if self.qkv is not None else list(self.qkv_parts)
+        mats += [self.o, self.gate_up] if self.gate_up is not None else [self.o, self.gate, self.up]
+        return mats + [self.down] + [m for m in (self.ple_gate, self.ple_proj) if m is not None]
 
 
 _HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -146,6 +204,7 @@ class Gemma4Model:
         self.embed = weights["token_embd.weight"]
         self.head = weights.get("output.weight", self.embed)
         self.embed_scale = torch.tensor(c.hidden_size ** 0.5, dtype=torch.float32)
+        self.layers = [_Layer(weights, i, c, self.kv_source) for i in range(c.num_layers)]
 
     def to(self, device) -> "Gemma4Model":
         """The same model with every weight on ``device``."""
@@ -236,51 +295,20 @@ class Gemma4Model:
         start = cache.length
         if start + t > cache.capacity:
             raise ValueError(f"{start + t} positions exceed the context size {cache.capacity}")
-        pos = torch.arange(start, start + t, device=self.device)
-        rope = rope_tables(c, pos)
+        if self.device.type == "cpu":
+            rope = rope_rows(c, start, t)
+        else:
+            rope = rope_tables(c, torch.arange(start, start + t, device=self.device))
         plans = {"sliding": cache.plan(start, t, c.sliding_window), "full": cache.plan(start, t, None)}
         x = _lookup(w["token_embd.weight"], tokens) * self.embed_scale
         ple = self._per_layer_inputs(tokens, x) if c.hidden_size_per_layer_input else None
-        shared = {}
-        for i in range(c.num_layers):
-            p, kind = f"blk.{i}.", c.layer_types[i]
-            d, h_kv = c.layer_head_dim(i), c.layer_kv_heads(i)
-            cos, sin = rope[kind]
-            h = rms_norm(x, w[p + "attn_norm.weight"], eps)
-            q = linear(w[p + "attn_q.weight"], h).view(t, c.num_heads, d)
-            q = apply_rope(rms_norm(q, w[p + "attn_q_norm.weight"], eps), cos, sin)
-            if self.kv_source[i] == i:
-                k_raw = linear(w[p + "attn_k.weight"], h).view(t, h_kv, d)
-                v_w = w.get(p + "attn_v.weight")
-                if c.attention_k_eq_v and kind == "full":
-                    v_raw = k_raw  # K doubles as V on full layers
-                elif v_w is None:
-                    raise KeyError(p + "attn_v.weight")
-                else:
-                    v_raw = linear(v_w, h).view(t, h_kv, d)
-                k = apply_rope(rms_norm(k_raw, w[p + "attn_k_norm.weight"], eps), cos, sin)
-                v = rms_norm(v_raw, None, eps)
-                keys, values = cache.layers[i].update(plans[kind], start, k, v)
-                shared[i] = (keys, values)
-            else:
-                keys, values = shared[self.kv_source[i]]
-            a = attention(q, keys, values, plans[kind].mask, 1.0)
-            a = linear(w[p + "attn_output.weight"], a.reshape(t, c.num_heads * d))
-            x = x + rms_norm(a, w[p + "post_attention_norm.weight"], eps)
-            residual = x
-            h = rms_norm(x, w[p + "ffn_norm.weight"], eps)
-            f = gated_mlp(w, p, h)
-            if c.enable_moe_block:
-                f = (rms_norm(f, w[p + "post_ffw_norm_1.weight"], eps)
-                     + rms_norm(self._moe(i, residual), w[p + "post_ffw_norm_2.weight"], eps))
-            x = residual + rms_norm(f, w[p + "post_ffw_norm.weight"], eps)
-            if ple is not None:
-                g = F.gelu(linear(w[p + "inp_gate.weight"], x), approximate="tanh") * ple[:, i]
-                g = linear(w[p + "proj.weight"], g)
-                x = x + rms_norm(g, w[p + "post_norm.weight"], eps)
-            scalar = w.get(p + "layer_output_scale.weight")
-            if scalar is not None:
-                x = x * scalar
+        fast = None if c.enable_moe_block else run_layers4(self, x, ple, cache, start, plans, rope)
+        if fast is not None:
+            x = fast
+        else:
+            shared = {}
+            for i, ly in enumerate(self.layers):
+                x = self._layer(i, ly, x, ple, cache, start, plans[ly.kind], rope[ly.kind], shared)
         cache.advance(start, t)
         hidden = rms_norm(x, w["output_norm.weight"], eps)
         logits = linear(self.head, hidden if all_logits else hidden[-1:])
@@ -288,3 +316,46 @@ class Gemma4Model:
             cap = c.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return ForwardOutput(logits=logits, hidden=hidden)
+
+    def _layer(self, i: int, ly: _Layer, x: torch.Tensor, ple, cache: KVCache, start: int, plan, rope,
+               shared: dict) -> torch.Tensor:
+        """Decoder layer i on x float32 [T, hidden] (the per-op path): each step one call of the C helper
+        that ``gs_gemma4_layers`` (``kernels/layers4.h``) calls at the same point, where the C kernel
+        applies (else the same formula in PyTorch). ``shared``: layer → its (keys, values) this forward,
+        what KV-shared layers read."""
+        c, eps = self.config, self.config.rms_norm_eps
+        t, hq, d, hkv = x.shape[0], c.num_heads, ly.d, ly.hkv
+        cos, sin = rope
+        h = rms_norm(x, ly.attn_norm, eps)
+        if ly.qkv is not None:
+            qkv = linear(ly.qkv, h)
+        else:
+            qkv = torch.cat([linear(m, h) for m in ly.qkv_parts], dim=-1) if ly.kv else linear(ly.qkv_parts[0], h)
+        if ly.kv:
+            qk = norm_rope(qkv, hq, hkv, d, ly.q_norm, ly.k_norm, cos, sin, eps)
+            v0 = hq * d if ly.k_eq_v else (hq + hkv) * d  # K doubles as V on k_eq_v layers (before k_norm, RoPE)
+            v = rms_norm(qkv[:, v0:v0 + hkv * d].reshape(t, hkv, d), None, eps)
+            q = qk[:, :hq]
+            keys, values = cache.layers[i].update(plan, start, qk[:, hq:], v)
+            shared[i] = (keys, values)
+        else:
+            q = norm_rope(qkv, hq, 0, d, ly.q_norm, ly.q_norm, cos, sin, eps)
+            keys, values = shared[ly.src]
+        a = attention(q, keys, values, plan.mask, 1.0)
+        x = add_rms_norm(x, linear(ly.o, a.reshape(t, hq * d)), ly.post_attn_norm, eps)
+        h = rms_norm(x, ly.ffn_norm, eps)
+        if ly.gate_up is not None:
+            f = linear(ly.down, gelu_mul(linear(ly.gate_up, h)))
+        else:
+            f = linear(ly.down, gelu_mul_by(linear(ly.gate, h), linear(ly.up, h)))
+        if c.enable_moe_block:
+            w = self.weights
+            f = (rms_norm(f, w[f"blk.{i}.post_ffw_norm_1.weight"], eps)
+                 + rms_norm(self._moe(i, x), w[f"blk.{i}.post_ffw_norm_2.weight"], eps))
+        x = add_rms_norm(x, f, ly.post_ffn_norm, eps)
+        if ple is not None:
+            g = gelu_mul_by(linear(ly.ple_gate, x), ple[:, i])
+            x = add_rms_norm(x, linear(ly.ple_proj, g), ly.ple_norm, eps)
+        if ly.scale is not None:
+            x = x * ly.scale
+        return x
