@@ -64,7 +64,7 @@ static int attn4(const gs_layer4 *ly, const gs_kind *kd, float *kc, float *vc, f
     } else {
         gs_norm_rope(s->qkv, wq, n, hq, d, ly->q_norm, hq, ly->q_norm, kd->cos, kd->sin, eps, s->qk);
     }
-    if (gs_attention(s->qk, wqk, n, hq, hk, d, kc, vc, kd->L, kd->mask, 1.f, 0.f, s->att) != 0) return -1;
+    if (gs_attention_mt(s->qk, wqk, n, hq, hk, d, kc, vc, kd->L, kd->mask, 1.f, 0.f, s->att, nthreads) != 0) return -1;
     prod4(&ly->o, hq * d, s->att, n, s->a, nthreads, act_q8);
     gs_add_rms_norm(s->a, ly->post_attn_norm, n, D, eps, x, x);
     return 0;
