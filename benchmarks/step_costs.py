@@ -34,7 +34,8 @@ import torch
 
 from common import machine, median, write_results
 
-from gemmaspec.loading.engine import set_threads
+from gemmaspec.kernels import resolve_act_quant
+from gemmaspec.loading.engine import set_threads, step_bytes
 from gemmaspec.loading.gguf import load_gguf
 from gemmaspec.models.base import PREFILL_CHUNK
 
@@ -106,6 +107,7 @@ def main() -> None:
     loaded = load_gguf(a.model)
     load_s = time.perf_counter() - t0
     model, vocab = loaded.model, loaded.config.vocab_size
+    act = resolve_act_quant(step_bytes(model))  # as load_engine does: --act-quant auto by the model's size
     warm = model.new_cache(64)
     model.forward(_ids(8, vocab, 0), warm)  # compiles the kernel if needed, starts the background regroup
     for th in threading.enumerate():  # timings below see the regrouped layout, as a long-running process does
@@ -114,6 +116,7 @@ def main() -> None:
     model.forward(_ids(1, vocab, 0), warm)  # puts the regrouped copies in use
     ctxs = [int(x) for x in a.ctx.split(",")]
     result = {"machine": machine(), "model": os.path.basename(a.model), "threads": a.threads, "load_s": load_s,
+              "act_quant": act,
               "prefill": {}, "contexts": {}}
     for n in (int(x) for x in a.prefill.split(",") if x):
         cache = model.new_cache(n + 16)
@@ -144,7 +147,8 @@ def main() -> None:
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     m = result["machine"]
     lines = [f"# Step costs: {result['model']}", "",
-             f"Machine: {m.get('cpu', '?')}, {a.threads} threads. Load {load_s:.1f} s. Medians of {a.repeats}.", "",
+             f"Machine: {m.get('cpu', '?')}, {a.threads} threads, activations {act}. Load {load_s:.1f} s. "
+             f"Medians of {a.repeats}.", "",
              "| context | decode ms | tok/s | " + " | ".join(f"t({k + 1})/t(1)" for k in range(1, a.max_k + 1))
              + " | draft ms | projected MTP |",
              "|---:|---:|---:|" + "---:|" * a.max_k + "---:|---:|"]

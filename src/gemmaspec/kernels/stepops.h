@@ -57,11 +57,18 @@ static inline float at_reduce16(const float a[AT_LANES]) {
  *     p_l = exp(s_l - m_b), s_b = sum p_l (lane l % 16, at_reduce16), o_b = sum_l p_l v_l (l ascending);
  *   - a second pass per query combines the blocks in ascending order: M = max m_b, w_b = exp(m_b - M),
  *     out = (sum_b w_b o_b) / (sum_b w_b s_b).
- * The tasks of both passes run on the thread pool (gs_parallel); each writes its own memory. Scores of
- * AT_QB queries against one key are computed together (independent add chains: the dot of one query
- * alone is a chain of d/16 dependent adds). */
+ * The tasks of both passes run on the thread pool (gs_parallel); each writes its own memory. Inside a
+ * task, scores come in register tiles of AT_QB queries x AT_KB keys and the weighted values in tiles of
+ * AT_QB queries x AT_DT dims, with fused multiply-adds (written as fmaf: one rounding, the same on every
+ * instruction set; the tile shapes change which loads are shared, never a result's operations). */
 #define AT_BLOCK 256
-#define AT_QB 4
+#define AT_QB 4 /* queries per tile */
+#ifdef __AVX512F__
+#define AT_KB 4 /* keys per score tile: 16 accumulators of 16 lanes fit the 32 vector registers */
+#else
+#define AT_KB 2
+#endif
+#define AT_DT 32 /* output dims per value tile (a last tile of 16 when d % 32 == 16) */
 
 typedef struct {
     const float *q;
@@ -79,6 +86,23 @@ static inline const float *at_query(const at_job *j, int kvh, int qi) { /* query
     return j->q + (long)r * j->ldq + (long)(kvh * j->g + jj) * j->d;
 }
 
+/* out[a * ldo + u] = sum_l w[a][l] v[l0 + l, u] for AT_QB queries (the first nvalid written) and W dims
+ * (a compile-time constant at each call), l ascending, fused multiply-adds, accumulators in registers. */
+static inline __attribute__((always_inline)) void at_pv_tile(const float *const ws[AT_QB], const float *v, long ldk,
+                                                             int n, int l0, const int W, float *out, int ldo, int nvalid) {
+    float acc[AT_QB][AT_DT];
+    for (int a = 0; a < AT_QB; a++)
+        for (int u = 0; u < W; u++) acc[a][u] = 0.f;
+    for (int l = 0; l < n; l++) {
+        const float *vl = v + (long)(l0 + l) * ldk;
+        for (int a = 0; a < AT_QB; a++) {
+            const float w = ws[a][l];
+            for (int u = 0; u < W; u++) acc[a][u] = fmaf(w, vl[u], acc[a][u]);
+        }
+    }
+    for (int a = 0; a < AT_QB && a < nvalid; a++) memcpy(out + (long)a * ldo, acc[a], sizeof(float) * W);
+}
+
 static void at_block_task(void *ctx, int task) {
     const at_job *j = (const at_job *)ctx;
     const int kvh = task / j->nblk, b = task % j->nblk, d = j->d, nq = j->nq;
@@ -86,21 +110,31 @@ static void at_block_task(void *ctx, int task) {
     const long ldk = (long)j->hkv * d, part = (long)kvh * j->nblk + b;
     float *S = j->sc + part * nq * AT_BLOCK, *O = j->po + part * nq * d;
     float *pm = j->pm + part * nq, *ps = j->ps + part * nq;
-    for (int l = l0; l < l1; l++) { /* scores: each key read once for the nq queries */
-        const float *kl = j->k + (long)l * ldk + (long)kvh * d;
-        for (int q0 = 0; q0 < nq; q0 += AT_QB) {
-            const float *qs[AT_QB];
-            for (int a = 0; a < AT_QB; a++) qs[a] = at_query(j, kvh, q0 + a < nq ? q0 + a : nq - 1);
-            float acc[AT_QB][AT_LANES] = {{0}};
+    const float *kb = j->k + (long)kvh * d, *vb = j->v + (long)kvh * d;
+    /* scores in tiles of AT_QB queries x AT_KB keys (each query and key row loaded once per tile); each
+     * dot in 16 lanes (lane u: dims i = u mod 16 ascending, fused multiply-add), then at_reduce16 */
+    for (int q0 = 0; q0 < nq; q0 += AT_QB) {
+        const float *qs[AT_QB];
+        for (int a = 0; a < AT_QB; a++) qs[a] = at_query(j, kvh, q0 + a < nq ? q0 + a : nq - 1);
+        for (int k0 = l0; k0 < l1; k0 += AT_KB) {
+            const float *ks[AT_KB];
+            for (int c = 0; c < AT_KB; c++) ks[c] = kb + (long)(k0 + c < l1 ? k0 + c : l1 - 1) * ldk;
+            float acc[AT_QB][AT_KB][AT_LANES];
+            for (int a = 0; a < AT_QB; a++)
+                for (int c = 0; c < AT_KB; c++)
+                    for (int u = 0; u < AT_LANES; u++) acc[a][c][u] = 0.f;
             for (int i = 0; i < d; i += AT_LANES)
                 for (int a = 0; a < AT_QB; a++)
-                    for (int u = 0; u < AT_LANES; u++) acc[a][u] += qs[a][i + u] * kl[i + u];
+                    for (int c = 0; c < AT_KB; c++)
+                        for (int u = 0; u < AT_LANES; u++) acc[a][c][u] = fmaf(qs[a][i + u], ks[c][i + u], acc[a][c][u]);
             for (int a = 0; a < AT_QB && q0 + a < nq; a++) {
-                const int qi = q0 + a, r = qi / j->g;
-                float s = at_reduce16(acc[a]) * j->scale;
-                if (j->softcap > 0.f) s = tanhf(s / j->softcap) * j->softcap;
-                if (j->mask && !j->mask[(long)r * j->L + l]) s = -INFINITY;
-                S[(long)qi * AT_BLOCK + (l - l0)] = s;
+                const int r = (q0 + a) / j->g;
+                for (int c = 0; c < AT_KB && k0 + c < l1; c++) {
+                    float s = at_reduce16(acc[a][c]) * j->scale;
+                    if (j->softcap > 0.f) s = tanhf(s / j->softcap) * j->softcap;
+                    if (j->mask && !j->mask[(long)r * j->L + k0 + c]) s = -INFINITY;
+                    S[(long)(q0 + a) * AT_BLOCK + (k0 + c - l0)] = s;
+                }
             }
         }
     }
@@ -128,15 +162,14 @@ static void at_block_task(void *ctx, int task) {
         }
         ps[qi] = at_reduce16(sa);
     }
-    for (long i = 0; i < (long)nq * d; i++) O[i] = 0.f;
-    for (int l = l0; l < l1; l++) { /* o_b: each value row read once for the nq queries */
-        const float *vl = j->v + (long)l * ldk + (long)kvh * d;
-        for (int qi = 0; qi < nq; qi++) {
-            const float w = S[(long)qi * AT_BLOCK + (l - l0)];
-            if (w == 0.f) continue; /* hidden key */
-            float *o = O + (long)qi * d;
-            for (int i = 0; i < d; i++) o[i] += w * vl[i];
-        }
+    /* o_b = sum_l p_l v_l in tiles of AT_QB queries x AT_DT dims held in registers across the block's
+     * keys (l ascending, fused multiply-add; a hidden key's p = 0 adds exactly 0) */
+    for (int q0 = 0; q0 < nq; q0 += AT_QB) {
+        const float *ws[AT_QB];
+        for (int a = 0; a < AT_QB; a++) ws[a] = S + (long)(q0 + a < nq ? q0 + a : nq - 1) * AT_BLOCK;
+        int i0 = 0;
+        for (; i0 + AT_DT <= d; i0 += AT_DT) at_pv_tile(ws, vb + i0, ldk, n, l0, AT_DT, O + (long)q0 * d + i0, d, nq - q0);
+        if (i0 < d) at_pv_tile(ws, vb + i0, ldk, n, l0, AT_LANES, O + (long)q0 * d + i0, d, nq - q0); /* d % 32 == 16 */
     }
 }
 
