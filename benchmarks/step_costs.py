@@ -119,10 +119,8 @@ def main() -> None:
               "act_quant": act,
               "prefill": {}, "contexts": {}}
     for n in (int(x) for x in a.prefill.split(",") if x):
-        cache = model.new_cache(n + 16)
-        fill(model, cache, 64, vocab)  # warm
-        cache.rollback(0)
-        s, _ = fill(model, cache, n, vocab)
+        fill(model, model.new_cache(n + 16), 64, vocab)  # warm
+        s, _ = fill(model, model.new_cache(n + 16), n, vocab)
         result["prefill"][n] = {"tokens_per_s": n / s}
         print(f"prefill {n}: {n / s:.1f} tokens/s", file=sys.stderr)
     cap = max(ctxs) + a.max_k + 16

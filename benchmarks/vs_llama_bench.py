@@ -1,8 +1,8 @@
 """gemmaspec against llama.cpp's own ``llama-bench`` on the same GGUF, machine and threads: decode at
 several context depths and prefill, alternating the two engines run by run.
 
-llama.cpp's side: ``llama-bench -p P -n N -d D -t T -o json`` (prompt processing of P tokens, generation
-of N tokens after a context of D tokens), built once from the llama.cpp sources vendored in
+llama.cpp's side: ``llama-bench -p P -n 0 -t T -o json`` and ``-p 0 -n N -d D`` (prompt processing
+of P tokens; generation of N tokens after a context of D tokens), built once from the llama.cpp sources vendored in
 llama-cpp-python's sdist (``common.llama_binaries``). gemmaspec's side: ``step_costs.py`` in a fresh
 process (decode = one forward of 1 row at that context; prefill = the chunked forward of P tokens; its
 verify curve and draft step come along). Each engine runs ``--repeats`` times, alternating; medians.
@@ -29,18 +29,21 @@ HERE = Path(__file__).parent
 
 
 def llama_bench(binary: Path, model: str, threads: int, prefill: list[int], depths: list[int], n_gen: int) -> dict:
-    """{"pp": {P: tokens/s}, "tg": {D: tokens/s}} from one llama-bench run (its own repetitions: -r 3)."""
-    cmd = [str(binary), "-m", model, "-t", str(threads), "-p", ",".join(map(str, prefill)), "-n", str(n_gen),
-           "-d", ",".join(map(str, depths)), "-r", "3", "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        raise RuntimeError(f"llama-bench failed: {out.stderr[-2000:]}")
+    """{"pp": {P: tokens/s}, "tg": {D: tokens/s}} from two llama-bench runs (-r 2 each): prompt processing
+    at depth 0, then generation at each depth (one run with -p and -d together would time every prompt
+    size at every depth)."""
     got = {"pp": {}, "tg": {}}
-    for row in json.loads(out.stdout):
-        if row["n_gen"] == 0 and row["n_depth"] == 0:
-            got["pp"][row["n_prompt"]] = row["avg_ts"]
-        elif row["n_prompt"] == 0:
-            got["tg"][row["n_depth"]] = row["avg_ts"]
+    for args in (["-p", ",".join(map(str, prefill)), "-n", "0"],
+                 ["-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths))]):
+        cmd = [str(binary), "-m", model, "-t", str(threads), *args, "-r", "2", "-o", "json"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if out.returncode != 0:
+            raise RuntimeError(f"llama-bench failed: {out.stderr[-2000:]}")
+        for row in json.loads(out.stdout):
+            if row["n_gen"] == 0:
+                got["pp"][row["n_prompt"]] = row["avg_ts"]
+            else:
+                got["tg"][row.get("n_depth", 0)] = row["avg_ts"]
     return got
 
 
@@ -90,7 +93,7 @@ def main() -> None:
     m = machine()
     lines = [f"# gemmaspec vs llama-bench: {os.path.basename(a.model)}", "",
              f"Machine: {m.get('cpu', '?')} ({m.get('simd', '')}), {a.threads} threads; medians of {a.repeats} "
-             f"alternating runs; llama-bench -r 3, tg{a.n_gen} at each depth.", "",
+             f"alternating runs; llama-bench -r 2, tg{a.n_gen} at each depth.", "",
              "| | gemmaspec | llama.cpp (llama-bench) | ratio |", "|---|---:|---:|---:|"]
     for d, v in table["decode"].items():
         lines.append(f"| decode at context {d} (tokens/s) | {v['ours']:.2f} | {v['llama']:.2f} | {v['ratio']:.2f}x |")

@@ -241,3 +241,29 @@ def test_a_model_of_stored_weights_gives_the_int8_models_logits_bit_for_bit():
         logits.append(torch.cat(out))
     assert torch.isfinite(logits[0]).all() and logits[0].std() > 0
     assert torch.equal(logits[0].view(torch.int32), logits[1].view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dot_rows_scores_the_chosen_rows(libs, qtype, monkeypatch):
+    """``dot_rows`` (the clustered head's candidate scores, ``gs_dot_ids``) equals the float64 dot of the
+    dequantized rows to rounding, gives the same bits on every kernel path and thread count, and is each
+    id's own value wherever it sits in the list (repeats included)."""
+    rng = np.random.default_rng(4)
+    n, k = 300, 256
+    raw = random_blocks(rng, qtype, n, k)
+    dense = gguf.quants.dequantize(raw, T[qtype]).reshape(n, k).astype(np.float64)
+    w = kernels.StoredWeight(torch.from_numpy(raw), qtype, k)
+    x = torch.from_numpy(rng.standard_normal(k).astype(np.float32))
+    ids = torch.from_numpy(rng.integers(0, n, 200))
+    want = dense[ids.numpy()] @ x.numpy().astype(np.float64)
+    got = {}
+    for isa in ISAS:
+        monkeypatch.setattr(kernels.weights, "load_library", lambda lib=libs[isa]: lib)
+        for threads in (1, 2):
+            monkeypatch.setattr(kernels.weights, "threads", lambda t=threads: t)
+            got[isa, threads] = w.dot_rows(ids, x)
+    first = next(iter(got.values()))
+    assert all(torch.equal(g, first) for g in got.values())
+    scale = np.abs(dense[ids.numpy()]) @ np.abs(x.numpy().astype(np.float64))
+    assert (np.abs(first.numpy() - want) <= 1e-5 * scale + 1e-30).all()
+    assert torch.equal(w.dot_rows(ids[50:60].flip(0), x), first[50:60].flip(0))

@@ -234,6 +234,7 @@ def matmul_library(isa: str = "auto"):
         "gs_qmatmul_stored": [I, P, I, I, P, P, I, P, I],
         "gs_dequant_rows": [I, P, P, P, I, I, I, I, P, I],
         "gs_dequant_ids": [I, P, P, P, I, P, I, I, P],
+        "gs_dot_ids": [I, P, P, P, I, P, I, I, P, P, I],
         "gs_block_sums": [P, I, I, I, P],
         "gs_rms_norm": [P, P, I, I, ctypes.c_float, P],
         "gs_norm_rope": [P, ctypes.c_long, I, I, I, P, I, P, P, P, ctypes.c_float, P],

@@ -184,6 +184,22 @@ class CPUBlockWeight(BlockWeight):
         self._dequant_rows(lib, 0, n, out)
         return out
 
+    def dot_rows(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """float32 [n] = rows ``ids`` (int64 [n]) of W, each . x (float32 [K]): the C kernel's
+        ``gs_dot_ids`` on the kernel's threads (the rows unpacked one at a time, never written out),
+        or ``rows(ids) @ x`` where it does not apply."""
+        segs = self._read_segments()
+        k = self.shape[1]
+        lib = load_library() if self._device.type == "cpu" else None
+        if lib is None or len(segs) != 1 or k % 16 or x.dtype != torch.float32:
+            return self.rows(ids) @ x
+        fmt, w, s, o, g, _ = segs[0]
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        xc = x.contiguous()
+        out = torch.empty(flat.numel(), dtype=torch.float32)
+        lib.gs_dot_ids(fmt, _ptr(w), _ptr(s), _ptr(o), g, _ptr(flat), flat.numel(), k, _ptr(xc), _ptr(out), threads())
+        return out
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64, any shape) of W as float32 [*ids.shape, K] (an embedding lookup); only
         those rows are unpacked."""

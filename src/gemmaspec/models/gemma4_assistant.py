@@ -112,17 +112,25 @@ class Gemma4Assistant:
             return out
         if not self.clustered:
             return linear(self.head, hidden[None])[0]
+        ids, scores = self._candidates(hidden)
+        out = torch.full((self.head.shape[0],), float(scores.min()) - 1.0, dtype=hidden.dtype)
+        out[ids] = scores
+        return out
+
+    def _candidates(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The clustered head: (token ids int64 [top_k * per], their scores float32) for hidden [H]:
+        the ``top_k`` best of ``num_centroids`` centroids, the tokens of those clusters scored against
+        the tied embedding (``BlockWeight.dot_rows``: only those rows unpacked)."""
         n_c, top_k = self.clustered
-        v = self.head.shape[0]
-        per = v // n_c
+        per = self.head.shape[0] // n_c
         cent = linear(self.weights["masked_embd_centroids.weight"], hidden[None])[0]
         top = torch.topk(cent, top_k).indices
         ids = self.weights["masked_embd_ordering"].long().view(n_c, per)[top].reshape(-1)
-        rows = self.head.rows(ids) if isinstance(self.head, BlockWeight) else self.head[ids]
-        scores = rows @ hidden
-        out = torch.full((v,), float(scores.min()) - 1.0, dtype=hidden.dtype)
-        out[ids] = scores
-        return out
+        if hasattr(self.head, "dot_rows"):
+            return ids, self.head.dot_rows(ids, hidden)
+        if isinstance(self.head, BlockWeight):
+            return ids, self.head.rows(ids) @ hidden
+        return ids, self.head[ids] @ hidden
 
     def rope_at(self, position: int) -> dict:
         """Per layer type (cos, sin) float32 [1, head dim] at ``position`` (every step of a round uses
@@ -218,4 +226,7 @@ class Gemma4Assistant:
         if self.token_map is not None:
             scores = linear(self.head, hidden[None])[0]
             return int(self.token_map[scores == scores.max()].min())
+        if self.clustered:  # argmax over the candidates only (the others hold a filler below them all)
+            ids, scores = self._candidates(hidden)
+            return int(ids[scores == scores.max()].min())
         return int(self.logits(hidden).argmax())
