@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from common import llama_binaries, machine, median, write_results
+from ttft import ttft
 
 HERE = Path(__file__).parent
 
@@ -70,16 +71,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--n-gen", type=int, default=32)
     ap.add_argument("--out", default="vs_llama_bench")
+    ap.add_argument("--no-ttft", action="store_true", help="skip time to first token through the two servers")
     a = ap.parse_args()
     depths = [int(x) for x in a.depths.split(",")]
     prefill = [int(x) for x in a.prefill.split(",")]
     binaries = llama_binaries()
-    runs = {"llama": [], "ours": []}
+    runs = {"llama": [], "ours": [], "ttft": []}
     for r in range(a.repeats):
         print(f"run {r + 1}/{a.repeats}: llama-bench", file=sys.stderr)
         runs["llama"].append(llama_bench(binaries / "llama-bench", a.model, a.threads, prefill, depths, a.n_gen))
         print(f"run {r + 1}/{a.repeats}: gemmaspec", file=sys.stderr)
         runs["ours"].append(ours(a.model, a.model_draft, a.threads, prefill, depths))
+        if not a.no_ttft:
+            print(f"run {r + 1}/{a.repeats}: time to first token (gemmaspec serve, then llama-server)", file=sys.stderr)
+            runs["ttft"].append(ttft(a.model, a.threads, repeats=3))
     table = {"decode": {}, "prefill": {}}
     for d in depths:
         lt = median([x["tg"][d] for x in runs["llama"] if d in x["tg"]])
@@ -89,6 +94,10 @@ def main() -> None:
         lp = median([x["pp"][p] for x in runs["llama"] if p in x["pp"]])
         op = median([x["prefill"][str(p)]["tokens_per_s"] for x in runs["ours"]])
         table["prefill"][p] = {"ours": op, "llama": lp, "ratio": op / lp}
+    if runs["ttft"]:
+        ot = median([t for x in runs["ttft"] for t in x["ours"]])
+        lt = median([t for x in runs["ttft"] for t in x["llama"]])
+        table["ttft"] = {"ours": ot, "llama": lt, "ratio": ot / lt}
     last = runs["ours"][-1]
     m = machine()
     lines = [f"# gemmaspec vs llama-bench: {os.path.basename(a.model)}", "",
@@ -99,6 +108,10 @@ def main() -> None:
         lines.append(f"| decode at context {d} (tokens/s) | {v['ours']:.2f} | {v['llama']:.2f} | {v['ratio']:.2f}x |")
     for p, v in table["prefill"].items():
         lines.append(f"| prefill of {p} tokens (tokens/s) | {v['ours']:.1f} | {v['llama']:.1f} | {v['ratio']:.2f}x |")
+    if "ttft" in table:
+        v = table["ttft"]
+        lines.append(f"| time to first token, short prompt, through each server (s) | {v['ours']:.3f} | "
+                     f"{v['llama']:.3f} (llama-server) | {v['ratio']:.2f}x |")
     lines += ["", "gemmaspec's verify cost t(k+1)/t(1), k = 1..7, and projected MTP speedup (last run):", "",
               "| context | " + " | ".join(f"k={k}" for k in range(1, 8)) + " | draft ms | projected MTP (A=2.68, k=2) |",
               "|---:|" + "---:|" * 9]

@@ -66,3 +66,7 @@ def test_run_step_declines_what_it_cannot_read(engine, mtp):
     assert assistant_step.run_step(a, x, x, kv, a.rope_at(p)) is None  # keys not contiguous
     with torch.enable_grad():
         assert assistant_step.run_step(a, x.requires_grad_(), x, mtp.target_kv(p), a.rope_at(p)) is None
+    # keys with another KV-head count than the assistant's config (a target whose full layers have
+    # num_global_kv_heads): the C step takes one count for every layer, so it declines
+    kv = {kind: (torch.cat([k, k], 1), torch.cat([v, v], 1), m) for kind, (k, v, m) in mtp.target_kv(p).items()}
+    assert assistant_step.run_step(a, x, x, kv, a.rope_at(p)) is None

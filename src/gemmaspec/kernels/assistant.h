@@ -50,7 +50,7 @@ int gs_assistant_step(int nl, const gs_alayer *layers, const gs_prod *pre, const
         gs_rms_norm(x, ly->attn_norm, 1, D, eps, h);
         prod1(&ly->q, D, h, qv, nthreads, act_q8);
         gs_norm_rope(qv, (long)hq * d, 1, hq, d, ly->q_norm, hq, ly->q_norm, ly->cos, ly->sin, eps, qr);
-        if (gs_attention(qr, (long)hq * d, 1, hq, hkv, d, ly->k, ly->v, ly->L, ly->mask, 1.f, 0.f, att) != 0) {
+        if (gs_attention_mt(qr, (long)hq * d, 1, hq, hkv, d, ly->k, ly->v, ly->L, ly->mask, 1.f, 0.f, att, nthreads) != 0) {
             free(buf);
             return -1;
         }

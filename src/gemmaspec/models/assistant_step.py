@@ -102,6 +102,8 @@ def run_step(assistant, x_embed: torch.Tensor, h: torch.Tensor, kv: dict, rope: 
     for kind, (keys, values, mask) in kv.items():
         if not (_plain(keys) and _plain(values)) or (mask is not None and not mask.is_contiguous()):
             return None
+        if keys.dim() != 3 or keys.shape[1] != c.num_kv_heads:  # the C step takes one KV-head count for all
+            return None  # layers: a target whose full layers have another (num_global_kv_heads) runs per op
         tables[kind] = tuple(r.contiguous() for r in rope[kind])
     arr = (_ALayer * c.num_layers)()  # a copy per call: the weights from the kept array, this step's K/V
     ctypes.memmove(arr, base, ctypes.sizeof(base))
