@@ -144,6 +144,15 @@ def llama_binaries(build: bool = True) -> Path | None:
     return out
 
 
+def user_env() -> dict[str, str]:
+    """The user's environment for llama.cpp's programs: without what gemmaspec set for itself at import
+    (``gemmaspec.SET_ENV``: ``OMP_WAIT_POLICY=passive``, which makes llama.cpp's OpenMP threads sleep
+    between its ops and halved llama-bench's decode speed on a 2-core Zen 4)."""
+    import gemmaspec
+
+    return {k: v for k, v in os.environ.items() if k not in gemmaspec.SET_ENV}
+
+
 def run_cold(cmd: list[str], env=None, timeout=900) -> dict:
     """Run a command in a fresh process; time to its first stdout byte, wall time, peak RSS (MB)."""
     t0 = time.perf_counter()

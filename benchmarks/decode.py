@@ -40,7 +40,7 @@ import os
 import subprocess
 import sys
 
-from common import PROMPTS, busy_process, llama_python, machine, median, read_bandwidth, run_cold, write_results
+from common import PROMPTS, busy_process, llama_python, machine, median, read_bandwidth, run_cold, user_env, write_results
 
 import gemmaspec
 from gemmaspec.loading.engine import physical_cores
@@ -151,7 +151,7 @@ def llama(py, model, prompt, n, threads):
     here = os.path.dirname(os.path.abspath(__file__))
     arg = json.dumps({"model": str(model), "prompt": prompt, "n": n, "threads": threads})
     # llama.cpp gets the user's environment, not the OpenMP wait policy gemmaspec set for itself at import
-    env = {k: v for k, v in os.environ.items() if k not in gemmaspec.SET_ENV}
+    env = user_env()
     r = run_cold([str(py), os.path.join(here, "llama_runner.py"), arg], env=env)
     d = json.loads(r["stderr"].strip().splitlines()[-1])
     d.update({"cold_first_token_s": r["first_output_s"], "peak_rss_mb": r["peak_rss_mb"]})

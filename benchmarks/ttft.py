@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, llama_binaries
+from common import ROOT, llama_binaries, user_env
 
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time,"
 
@@ -70,11 +70,12 @@ def first_token_s(port: int, prompt: str) -> float:
         conn.close()
 
 
-def measure(cmd: list[str], port: int, prompt: str, repeats: int) -> list[float]:
+def measure(cmd: list[str], port: int, prompt: str, repeats: int, env: dict | None = None) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
         with open(log, "w") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+                                    env=env)
         try:
             wait_healthy(port, proc, log)
             first_token_s(port, prompt)  # warm-up
@@ -95,7 +96,7 @@ def ttft(model: str, threads: int = 2, repeats: int = 5, prompt: str = PROMPT, c
                     "-c", str(ctx), "-np", "1", "--spec-type", "none"], port, prompt, repeats)
     port = free_port()
     llama = measure([str(llama_binaries() / "llama-server"), "-m", model, "--port", str(port), "-t", str(threads),
-                     "-c", str(ctx), "-np", "1", "--no-webui"], port, prompt, repeats)
+                     "-c", str(ctx), "-np", "1", "--no-webui"], port, prompt, repeats, env=user_env())
     return {"ours": ours, "llama": llama}
 
 

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import llama_binaries, machine, median, write_results
+from common import llama_binaries, machine, median, user_env, write_results
 from ttft import ttft
 
 HERE = Path(__file__).parent
@@ -37,7 +37,7 @@ def llama_bench(binary: Path, model: str, threads: int, prefill: list[int], dept
     for args in (["-p", ",".join(map(str, prefill)), "-n", "0"],
                  ["-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths))]):
         cmd = [str(binary), "-m", model, "-t", str(threads), *args, "-r", "2", "-o", "json"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=user_env())
         if out.returncode != 0:
             raise RuntimeError(f"llama-bench failed: {out.stderr[-2000:]}")
         for row in json.loads(out.stdout):
