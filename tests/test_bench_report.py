@@ -1,6 +1,6 @@
 """`gemmaspec bench`'s output for people: the noise rule and the crossover sentence built on it, the
 plain-text header, the paragraphs that explain the figures, the plots' design (one panel per
-drafter, distinct colours, values on bars, integer ticks, no one-point lines).
+drafter, distinct colours, values on bars, integer ticks, no one-point lines), and the --quick preset.
 All from synthetic results: nothing is timed here."""
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from matplotlib.text import Annotation
 
 from gemmaspec.bench import analyze, plots
 from gemmaspec.bench.report import header, markdown
+from gemmaspec.bench.suite import load_suite
+from gemmaspec.cli import build_parser
+from gemmaspec.cli.bench import parse_settings
 
 TOKENS = 20
 
@@ -200,3 +203,30 @@ def test_many_draft_lengths_still_get_distinct_colours():
     for n in (1, 5, 9, 10, 16):
         cols = [tuple(c) for c in plots.palette(n)]
         assert len(cols) == n and len(set(cols)) == n
+
+
+# -- --quick ------------------------------------------------------------------------------------------------
+def _settings(*argv):
+    return parse_settings(build_parser().parse_args(["bench", *argv, "--out", "o"]))
+
+
+def test_quick_selects_two_prompts_per_kind_one_repeat_one_user():
+    s = _settings("--quick")
+    assert (s["prompts_per_kind"], s["repeats"], s["users"], s["max_tokens"], s["quick"]) == (2, 1, [1], 64, True)
+    prompts = load_suite(s["suite"], s["kinds"], s["prompts_per_kind"])
+    every = load_suite("default")
+    per_kind = {}
+    for p in prompts:
+        per_kind.setdefault(p.kind, []).append(p.index)
+    assert set(per_kind) == {p.kind for p in every} and all(v == [0, 1] for v in per_kind.values())
+    full = _settings()
+    assert (full["prompts_per_kind"], full["repeats"], full["users"], full["max_tokens"]) == (
+        None, 3, [1, 2, 4, 8], 128)
+    mixed = _settings("--quick", "--users", "1,2", "--max-tokens", "16")  # an explicit flag wins over the preset
+    assert (mixed["users"], mixed["max_tokens"], mixed["repeats"]) == ([1, 2], 16, 1)
+
+
+def test_quick_is_in_the_help():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    text = sub.choices["bench"].format_help()
+    assert "--quick" in text and "--prompts-per-kind 2 --repeats 1 --users 1 --max-tokens 64" in " ".join(text.split())
