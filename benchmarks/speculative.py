@@ -12,6 +12,7 @@ assistant draft step is measured after the sweep (mtp_step.json).
 These PROMPTS are also the drafter's held-out evaluation prompts (gemmaspec.training reads them).
 
     python benchmarks/speculative.py [--n 128] [--repeats 3] [-md DRAFT.gguf] [--no-llama] [--mtp default|none|PATH]
+    python benchmarks/speculative.py --render-only   # redraw report.md and the plots from results.json
 
 Writes benchmarks/results/speculative/ (results.json, report.md, PNG plots). The older
 benchmarks/results/speculative.json / .md (the README's table) came from this script's earlier,
@@ -89,7 +90,17 @@ def main():
     ap.add_argument("--mtp", default="default",
                     help="MTP assistant GGUF for the draft-mtp columns ('default': the one shipped for the default "
                          "model, when the target is the default model; 'none': no MTP columns)")
+    ap.add_argument("--render-only", action="store_true",
+                    help="redraw report.md and the plots from benchmarks/results/speculative/results.json "
+                         "(the MTP step line from mtp_step.json)")
     a = ap.parse_args()
+    if a.render_only:
+        rc = gemmaspec_main(["bench", "--report-only", "--out", str(OUT)])
+        if rc == 0 and (OUT / "mtp_step.json").exists():
+            drafts = json.loads((OUT / "results.json").read_text())["targets"][0].get("drafts") or {}
+            mtp = (drafts.get("draft-mtp") or {}).get("path", "the MTP assistant")
+            append_mtp_line(json.loads((OUT / "mtp_step.json").read_text()), mtp)
+        sys.exit(rc)
     model = a.model or str(default_model_path())
     mtp = None if a.mtp == "none" else (shipped_assistant(model) if a.mtp == "default" else a.mtp)
     types = ["ngram-simple"] + (["draft-simple"] if a.model_draft else []) + (["draft-mtp"] if mtp else [])
@@ -111,13 +122,18 @@ def main():
         step = mtp_step_cost(engine, load_drafter(SpecConfig("draft-mtp", mtp), engine),
                              SamplingParams(temperature=0, max_tokens=a.n, ignore_eos=True))
         (OUT / "mtp_step.json").write_text(json.dumps(step, indent=2))
-        line = (f"MTP assistant {os.path.basename(mtp)}: one draft step {step['step_ms']:.2f} ms "
-                f"= {step['fraction_of_target_step']:.3f} of a target decode step ({step['target_step_ms']:.1f} ms); "
-                f"weights {step['weights_mib']:.1f} MiB.")
-        with open(OUT / "report.md", "a") as f:
-            f.write("\n" + line + "\n")
+        append_mtp_line(step, mtp)
     print((OUT / "report.md").read_text() if (OUT / "report.md").exists() else "", end="")
     sys.exit(rc)
+
+
+def append_mtp_line(step: dict, mtp: str) -> None:
+    """Add the assistant's measured draft-step cost (``mtp_step_cost``) to report.md."""
+    line = (f"MTP assistant {os.path.basename(mtp)}: one draft step {step['step_ms']:.2f} ms "
+            f"= {step['fraction_of_target_step']:.3f} of a target decode step ({step['target_step_ms']:.1f} ms); "
+            f"weights {step['weights_mib']:.1f} MiB.")
+    with open(OUT / "report.md", "a") as f:
+        f.write("\n" + line + "\n")
 
 
 def mtp_step_cost(engine, drafter, params) -> dict:

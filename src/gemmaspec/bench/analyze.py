@@ -17,6 +17,10 @@ Definitions (every figure in the report):
   definition).
 - speedup: a configuration's figure / the same target's no-speculation (``none``) figure for the same
   kind and user count; peer ratio: ours / the peer's, same configuration, kind and users.
+- spread of a speedup: the range (min to max) of its per-repeat ratios, each repeat's figure over the
+  same repeat's no-speculation figure (widened to include the median ratio itself).
+- within noise: a speedup within :data:`NOISE` of 1.0, or whose spread includes 1.0
+  (:func:`within_noise`); the crossover counts only speedups outside noise as paying.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import statistics
 
 ALL = "all"
 ITL_MERGE_S = 0.001
-PAYS = 1.0  # speculation pays while aggregate tokens/s with it / without it > PAYS
+PAYS = 1.0  # speculation pays while aggregate tokens/s with it / without it > PAYS (and outside noise)
+NOISE = 0.03  # a speedup within 3% of 1.0 is no measurable difference on a shared machine
 
 
 def percentile(xs, q: float):
@@ -110,24 +115,37 @@ def _spec_totals(phases) -> dict | None:
             "acceptance_per_pos": per_pos}
 
 
+def _per_user(reqs) -> list[float]:
+    return [(r["completion_tokens"] - 1) / r["decode_s"] for r in reqs
+            if r["completion_tokens"] > 1 and r["decode_s"] > 0]
+
+
 def cell(phases) -> dict:
-    """Figures of one (target, configuration, kind or all, users) cell from its phases."""
+    """Figures of one (target, configuration, kind or all, users) cell from its phases.
+
+    Besides the medians, ``aggregate_tps_by_repeat`` and ``per_user_tps_by_repeat`` (``[[repeat,
+    value], ...]``, the spread and the per-repeat speedups come from them) and ``aggregate_tps_range``
+    (``[min, max]`` over repeats)."""
     by_rep: dict[int, list] = {}
     for ph in phases:
         by_rep.setdefault(ph["repeat"], []).append(ph)
-    agg = []
-    for reps in by_rep.values():  # all kinds of a repeat: total tokens / total wall time
+    agg_rep, pu_rep = [], []
+    for rep in sorted(by_rep):  # all kinds of a repeat: total tokens / total wall time
+        reps = by_rep[rep]
         toks = sum(r["completion_tokens"] for ph in reps for r in ph["requests"])
         wall = sum(ph["wall_s"] for ph in reps)
-        agg.append(toks / wall if wall > 0 else None)
+        agg_rep.append([rep, toks / wall if wall > 0 else None])
+        pu_rep.append([rep, _median(_per_user([r for ph in reps for r in ph["requests"]]))])
+    agg = [v for _, v in agg_rep]
     reqs = [r for ph in phases for r in ph["requests"]]
-    per_user = [(r["completion_tokens"] - 1) / r["decode_s"] for r in reqs
-                if r["completion_tokens"] > 1 and r["decode_s"] > 0]
+    per_user = _per_user(reqs)
     itl = [x for r in reqs for x in itl_samples(r["arrivals"])]
     ttft = [r["ttft_s"] for r in reqs]
     out = {"phases": len(phases), "requests": len(reqs),
            "completion_tokens": sum(r["completion_tokens"] for r in reqs),
            "aggregate_tps": _median(agg), "per_user_tps": _median(per_user),
+           "aggregate_tps_by_repeat": agg_rep, "per_user_tps_by_repeat": pu_rep,
+           "aggregate_tps_range": _range([v for v in agg if v is not None]),
            "ttft_p50_ms": _ms(percentile(ttft, 0.5)), "ttft_p95_ms": _ms(percentile(ttft, 0.95)),
            "itl_p50_ms": _ms(percentile(itl, 0.5)), "itl_p95_ms": _ms(percentile(itl, 0.95)),
            "spec": _spec_totals(phases)}
@@ -144,12 +162,46 @@ def _ms(s):
     return s * 1e3 if s is not None else None
 
 
+def _range(xs, include=None):
+    xs = [x for x in xs if x is not None] + ([include] if include is not None else [])
+    return [min(xs), max(xs)] if xs else None
+
+
+def _paired(c: dict, base: dict, key: str, median) -> list | None:
+    """Spread of a speedup: ``[min, max]`` of the per-repeat ratios (repeats both cells have), widened
+    to include ``median`` (the ratio of the medians)."""
+    b = {rep: v for rep, v in base.get(key) or []}
+    ratios = [_ratio(v, b.get(rep)) for rep, v in c.get(key) or []]
+    return _range(ratios, median) if median is not None else None
+
+
+def within_noise(speedup, spread=None) -> bool:
+    """True when ``speedup`` is no measurable difference: within :data:`NOISE` of 1.0, or its spread
+    (``[min, max]`` over repeats) includes 1.0."""
+    if speedup is None:
+        return False
+    if abs(speedup - PAYS) <= NOISE + 1e-9:
+        return True
+    return bool(spread) and spread[0] <= PAYS <= spread[1]
+
+
+def verdict(speedup, spread=None) -> str | None:
+    """``"pays"`` (above 1 and outside noise), ``"noise"`` (:func:`within_noise`) or ``"costs"``
+    (below 1 and outside noise); None without a speedup."""
+    if speedup is None:
+        return None
+    if within_noise(speedup, spread):
+        return "noise"
+    return "pays" if speedup > PAYS else "costs"
+
+
 def summarize(results: dict) -> dict:
     """``{"cells": [...], "crossover": {...}, "peer": [...]}`` from ``results["phases"]``.
 
     Each cell: target, config, kind (a suite kind or ``all``), users, the :func:`cell` figures,
     ``speedup_aggregate`` and ``speedup_per_user`` against the target's ``none`` cell of the same kind
-    and users (None when that was not measured)."""
+    and users (None when that was not measured), and their spreads ``speedup_aggregate_range`` and
+    ``speedup_per_user_range`` (``[min, max]``, see :func:`_paired`)."""
     phases = results.get("phases", [])
     kinds = {ph["kind"] for ph in phases}
     covered: dict[tuple, set] = {}  # an interrupted repeat that lacks some kinds stays out of "all"
@@ -165,6 +217,9 @@ def summarize(results: dict) -> dict:
         base = cells.get((key[0], "none", key[2], key[3]))
         c["speedup_aggregate"] = _ratio(c["aggregate_tps"], base["aggregate_tps"]) if base else None
         c["speedup_per_user"] = _ratio(c["per_user_tps"], base["per_user_tps"]) if base else None
+        for which in ("aggregate", "per_user"):
+            c[f"speedup_{which}_range"] = (_paired(c, base, f"{which}_tps_by_repeat", c[f"speedup_{which}"])
+                                           if base else None)
     out = sorted(cells.values(), key=lambda c: (c["target"], c["kind"] != ALL, c["kind"], c["users"],
                                                 c["config"] != "none", c["config"]))
     peer = []
@@ -183,11 +238,13 @@ def summarize(results: dict) -> dict:
 
 def crossover(cells: list[dict], target: str) -> dict:
     """Per kind (and ``all``): the smallest user count from which speculation stops paying, i.e. the
-    best speculative configuration's aggregate tokens/s is at most :data:`PAYS` times the
-    no-speculation run's at that count and every larger count measured.
+    best speculative configuration's aggregate speedup is not above :data:`PAYS` outside noise
+    (:func:`verdict` is not ``"pays"``) at that count and every larger count measured. A dip that
+    recovers at more users is not a crossover.
 
-    Returns ``{kind: {"stops_at": users or None, "never_paid": bool, "best": {users: [config, speedup]}}}``
-    (``stops_at`` None: it paid at every count measured, or nothing to compare)."""
+    Returns ``{kind: {"stops_at": users or None, "never_paid": bool, "users": [...], "best": {users:
+    [config, speedup, spread, verdict]}}}`` (``stops_at`` None: it pays outside noise at the largest
+    count, or nothing to compare)."""
     out = {}
     kinds = list(dict.fromkeys(c["kind"] for c in cells if c["target"] == target))
     for kind in kinds:
@@ -197,11 +254,13 @@ def crossover(cells: list[dict], target: str) -> dict:
                 continue
             b = best.get(c["users"])
             if b is None or c["speedup_aggregate"] > b[1]:
-                best[c["users"]] = [c["config"], c["speedup_aggregate"]]
+                spread = c.get("speedup_aggregate_range")
+                best[c["users"]] = [c["config"], c["speedup_aggregate"], spread,
+                                    verdict(c["speedup_aggregate"], spread)]
         users = sorted(best)
         stops = None
         for i, u in enumerate(users):
-            if all(best[v][1] <= PAYS for v in users[i:]):
+            if all(best[v][3] != "pays" for v in users[i:]):
                 stops = u
                 break
         out[kind] = {"stops_at": stops, "never_paid": bool(users) and stops == users[0], "best": best,
@@ -209,26 +268,49 @@ def crossover(cells: list[dict], target: str) -> dict:
     return out
 
 
-def crossover_sentence(cross: dict, target: str) -> str:
-    """One sentence: at how many users speculation stops paying, overall and per kind."""
-    def say(c) -> str | None:
-        if not c or not c["users"]:
-            return None
-        if c["never_paid"]:
-            return "never paid, even for one user"
-        if c["stops_at"] is None:
-            return f"pays at every count measured (up to {max(c['users'])})"
-        return f"stops paying at {c['stops_at']} concurrent users"
+def _users(u: int) -> str:
+    return f"{u} user{'s' if u != 1 else ''}"
 
-    overall = say(cross.get(ALL))
+
+def _say(c: dict | None) -> str | None:
+    """What speculation does for one kind, in words (grouped across kinds by the sentence)."""
+    if not c or not c["users"]:
+        return None
+    us = c["users"]
+    verdicts = [c["best"][u][3] for u in us]
+    if c["stops_at"] is None:
+        return f"pays at {_users(us[0])}" if len(us) == 1 else f"pays at every count measured (up to {max(us)})"
+    if all(v == "noise" for v in verdicts):
+        return (f"is within noise at {_users(us[0])} (no measurable difference)" if len(us) == 1 else
+                f"is within noise at every count measured (up to {max(us)})")
+    if c["never_paid"]:
+        if len(us) == 1:
+            return f"costs at {_users(us[0])}"
+        return "never paid, even for one user" if us[0] == 1 else f"never paid, even at {_users(us[0])}"
+    return f"stops paying at {c['stops_at']} concurrent users"
+
+
+def _best_by_count(c: dict) -> str:
+    """``(best: 1.90x at 1 user, ~0.98x at 8 users)``: the best speedup at each count, ``~`` within noise."""
+    parts = []
+    for u in c["users"]:
+        b = c["best"][u]
+        parts.append(f"{'~' if b[3] == 'noise' else ''}{b[1]:.2f}x at {_users(u)}")
+    return f" (best: {', '.join(parts)})"
+
+
+def crossover_sentence(cross: dict, target: str) -> str:
+    """One sentence: at how many users speculation stops paying, overall and per kind. Only a speedup
+    outside noise (:func:`verdict`) counts as paying; ``~`` marks a best speedup within noise."""
+    overall = _say(cross.get(ALL))
     groups: dict[str, list] = {}
     for kind, c in cross.items():
-        if kind != ALL and say(c):
-            groups.setdefault(say(c), []).append(kind)
+        if kind != ALL and _say(c):
+            groups.setdefault(_say(c), []).append(kind)
     if overall is None and not groups:
         return f"{target}: no speculative run to compare with a no-speculation run, so no crossover."
     s = f"For {target}, speculation (the best draft length at each user count) "
-    s += f"{overall} over all kinds" if overall else "was compared per kind only"
+    s += f"{overall} over all kinds{_best_by_count(cross[ALL])}" if overall else "was compared per kind only"
     if groups:
         s += "; by kind, it " + "; it ".join(f"{what} for {', '.join(ks)}" for what, ks in groups.items())
     return s + "."

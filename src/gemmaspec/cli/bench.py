@@ -2,8 +2,11 @@
 
     gemmaspec bench [-m MODEL [-md DRAFT] | --url URL [--api-key K]] [--suite default|FILE.jsonl]
                     [--spec-type ngram-simple[,draft-mtp]] [--spec-draft-n-max 0,1,2,3,4,auto]
-                    [--users 1,2,4,8] [--repeats 3] [--max-tokens 128] [--temp 0]
+                    [--users 1,2,4,8] [--repeats 3] [--max-tokens 128] [--temp 0] [--quick]
                     [--peer llama.cpp | --peer-url URL] --out DIR
+
+``--quick`` is a first try: 2 prompts per kind, 1 repeat, 1 user, 64 tokens per request (each flag
+given explicitly still wins).
 
 Writes DIR/results.json (raw runs, machine, versions, sha256 of the model and drafter, settings;
 rewritten after every phase), DIR/report.md and DIR/speedup.png, users.png, acceptance.png. Ctrl-C
@@ -18,6 +21,12 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..speculative.options import SPEC_TYPES, parse_n_max, parse_spec_type
+
+DEFAULTS = {"prompts_per_kind": None, "repeats": 3, "users": "1,2,4,8", "max_tokens": 128}
+"""What an omitted --prompts-per-kind, --repeats, --users, --max-tokens mean."""
+QUICK = {"prompts_per_kind": 2, "repeats": 1, "users": "1", "max_tokens": 64}
+"""What they mean with --quick: a first try in a few minutes (the first 2 prompts of each kind, one
+repeat, one user, short requests); no noise spread with one repeat, so only large differences count."""
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -37,7 +46,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--suite", default="default", help="'default' (shipped: 10 kinds x 10 prompts) or a JSONL file "
                                                       "(kind, prompt or messages, max_tokens)")
     b.add_argument("--kinds", default=None, help="comma-separated kinds to run (default: all in the suite)")
-    b.add_argument("--prompts-per-kind", type=int, default=None, help="first N prompts of each kind (default: all)")
+    b.add_argument("--prompts-per-kind", type=int, default=None,
+                   help="first N prompts of each kind (default: all; --quick: 2)")
+    b.add_argument("--quick", action="store_true",
+                   help="a first try: --prompts-per-kind 2 --repeats 1 --users 1 --max-tokens 64 (a flag given "
+                        "explicitly wins)")
     b.add_argument("--spec-type", default=None,
                    help=f"comma-separated drafters to measure ({', '.join(t for t in SPEC_TYPES if t != 'none')}; "
                         "a drafter list joined by +, e.g. ngram-simple+draft-mtp: n-gram lookup where it matches, the "
@@ -48,10 +61,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="p-min of the model drafters (draft-simple, draft-mtp; in process): a round stops at a draft "
                         "below it (default: each drafter's, 0.3 for the assistant gemmaspec ships for the default "
                         "model, else 0); the report gives the value each type ran with")
-    b.add_argument("--users", default="1,2,4,8", help="concurrent users to sweep (default 1,2,4,8)")
-    b.add_argument("--repeats", type=int, default=3, help="runs of each phase, configurations taking turns (default 3)")
-    b.add_argument("--max-tokens", type=int, default=128, help="tokens per request, EOS ignored (a suite line's "
-                                                                "max_tokens lowers it; default 128)")
+    b.add_argument("--users", default=None, help="concurrent users to sweep (default 1,2,4,8; --quick: 1)")
+    b.add_argument("--repeats", type=int, default=None,
+                   help="runs of each phase, configurations taking turns; the spread over repeats tells noise from "
+                        "a difference (default 3; --quick: 1)")
+    b.add_argument("--max-tokens", type=int, default=None, help="tokens per request, EOS ignored (a suite line's "
+                                                                 "max_tokens lowers it; default 128; --quick: 64)")
     b.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy, lossless check on)")
     b.add_argument("--seed", type=int, default=0, help="sampling seed base (per prompt: seed + its index)")
     b.add_argument("--peer", default=None, choices=["llama.cpp"],
@@ -88,10 +103,13 @@ def parse_settings(args) -> dict:
     """
     if args.url and (args.model or args.model_draft):
         raise InputError("give -m/-md (run in this process) or --url (a running server), not both")
-    if args.repeats < 1:
-        raise InputError(f"--repeats must be at least 1 (got {args.repeats})")
-    if args.max_tokens < 2:
-        raise InputError(f"--max-tokens must be at least 2 (got {args.max_tokens})")
+    preset = QUICK if getattr(args, "quick", False) else DEFAULTS
+    given = {k: getattr(args, k, None) for k in DEFAULTS}
+    opt = {k: preset[k] if v is None else v for k, v in given.items()}
+    if opt["repeats"] < 1:
+        raise InputError(f"--repeats must be at least 1 (got {opt['repeats']})")
+    if opt["max_tokens"] < 2:
+        raise InputError(f"--max-tokens must be at least 2 (got {opt['max_tokens']})")
     if args.temp < 0:
         raise InputError(f"--temp must be >= 0 (got {args.temp})")
     n_max = [parse_n_max(x.strip()) for x in args.spec_draft_n_max.split(",") if x.strip()]
@@ -112,11 +130,12 @@ def parse_settings(args) -> dict:
     if args.peer and args.peer_url:
         raise InputError("give --peer llama.cpp or --peer-url URL, not both")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
-    return {"suite": args.suite, "kinds": kinds, "prompts_per_kind": args.prompts_per_kind, "spec_types": types,
-            "n_max": n_max, "users": _int_list(args.users, "--users"), "repeats": args.repeats,
-            "max_tokens": args.max_tokens, "temp": args.temp, "seed": args.seed, "url": args.url,
+    return {"suite": args.suite, "kinds": kinds, "prompts_per_kind": opt["prompts_per_kind"], "spec_types": types,
+            "n_max": n_max, "users": _int_list(opt["users"], "--users"), "repeats": opt["repeats"],
+            "max_tokens": opt["max_tokens"], "temp": args.temp, "seed": args.seed, "url": args.url,
             "model": args.model, "model_draft": args.model_draft, "peer": args.peer, "peer_url": args.peer_url,
-            "threads": args.threads, "device": args.device, "p_min": args.spec_draft_p_min}
+            "threads": args.threads, "device": args.device, "p_min": args.spec_draft_p_min,
+            "quick": bool(getattr(args, "quick", False))}
 
 
 def run(args) -> int:
