@@ -11,9 +11,13 @@ without one):
 4. greedy tokens on the GPU against the CPU's (float32 both; summation order differs, so a late
    divergence is possible and only recorded);
 5. the memory arithmetic's figures for an all-Q4_0 Gemma 4 E2B target + exact-Q4_0 assistant at
-   4,096 context (nothing loaded; for the record beside the measurement).
+   4,096 context (nothing loaded; for the record beside the measurement);
+6. with ``--real-size e2b[,e4b,12b]``: each full-size synthetic Gemma 4 file (``gemma4_synth.py``,
+   written first when missing; ~40 s and 2.6 GB for E2B) on the GPU: prefill of 512 and 2048 tokens,
+   a forward of 1..8 rows at contexts 0, 512 and 2048 (decode and the verify cost curve t(k+1)/t(1)),
+   and GPU memory (peak allocated, device used) against the seed's 4-8 GB cards.
 
-    .venv/bin/python benchmarks/cuda_check.py [--tokens 128] [--repeats 3]
+    .venv/bin/python benchmarks/cuda_check.py [--tokens 128] [--repeats 3] [--real-size e2b]
 
 Writes benchmarks/results/cuda_check.json and .md. Needs PyTorch's CUDA build (``make TORCH=cuda``),
 which brings Triton.
@@ -68,11 +72,76 @@ def greedy(engine, ids, tokens: int):
     return out, stats
 
 
+def real_size(shape: str, repeats: int) -> dict:
+    """Step costs of a full-size synthetic Gemma 4 file on the GPU (item 6 of the module docstring):
+    {"prefill": {P: tokens/s}, "contexts": {L: {"forward_ms": {rows: ms}, "verify_ratio": {k: t(k+1)/t(1)}}},
+    "peak_allocated_bytes", "device_used_bytes"}. Times are medians of ``repeats`` after a warm-up, each
+    forward followed by torch.cuda.synchronize()."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_costs import _ids
+
+    from gemmaspec.loading.engine import load_engine
+    from gemmaspec.models.base import PREFILL_CHUNK
+
+    path = ROOT / "benchmarks" / "models" / f"gemma4-{shape}-synth-q4_0.gguf"
+    if not path.exists():
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemma4_synth.py"), shape], check=True)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    engine = load_engine(str(path), ctx_size=2048 + 64, device="cuda")
+    model, vocab = engine.model, engine.model.config.vocab_size
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times[1:])
+
+    out: dict = {"file": path.name, "prefill": {}, "contexts": {}}
+    with torch.inference_mode():
+        for n in (512, 2048):
+            ids = _ids(n, vocab, 1)  # token ids stay on the CPU, as the engine passes them
+
+            def prefill():
+                c = model.new_cache(n + 16)
+                for s in range(0, n, PREFILL_CHUNK):  # chunked as the engine does
+                    model.forward(ids[s:s + PREFILL_CHUNK], c)
+            ms = timed(prefill)
+            out["prefill"][n] = n / ms * 1e3
+        cache = model.new_cache(2048 + 32)
+        for ctx in (0, 512, 2048):
+            if ctx > cache.length:
+                model.forward(_ids(ctx - cache.length, vocab, 3), cache)
+            base, t = cache.length, {}
+            for rows in range(1, 9):
+                ids = _ids(rows, vocab, 2)
+
+                def step():
+                    model.forward(ids, cache, all_logits=rows > 1)
+                    cache.rollback(base)
+                t[rows] = timed(step)
+            out["contexts"][ctx] = {"forward_ms": t, "decode_tokens_per_s": 1e3 / t[1],
+                                    "verify_ratio": {k: t[k + 1] / t[1] for k in range(1, 8)}}
+    free, total = torch.cuda.mem_get_info()
+    out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    out["device_used_bytes"] = total - free
+    del engine, model, cache
+    torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--test-timeout", type=int, default=150)
+    ap.add_argument("--real-size", default="", help="comma list of synthetic Gemma 4 shapes to time (e2b, e4b, 12b)")
     a = ap.parse_args()
 
     import torch
@@ -181,6 +250,14 @@ def main() -> None:
         f"dequantized tiles (runs: {dt['kernel']['runs']} / {dt['tiles']['runs']})",
         f"- greedy tokens identical to the CPU's for the first {same} of {a.tokens}",
         f"- E2B all-Q4_0 + exact-Q4_0 assistant at 4,096 (arithmetic, not loaded): {fmt_bytes(both.total)}"])
+    for shape in (x for x in a.real_size.split(",") if x):
+        rs = result.setdefault("real_size", {})[shape] = real_size(shape, a.repeats)
+        table += (f"\n- {rs['file']}: prefill " + ", ".join(f"{n}: {v:.0f} tokens/s" for n, v in rs["prefill"].items())
+                  + "; decode " + ", ".join(f"ctx {c}: {v['decode_tokens_per_s']:.1f} tokens/s" for c, v in rs["contexts"].items())
+                  + "; t(3)/t(1) " + ", ".join(f"ctx {c}: {v['verify_ratio'][2]:.2f}" for c, v in rs["contexts"].items())
+                  + f"; GPU memory peak allocated {fmt_bytes(rs['peak_allocated_bytes'])}, device used "
+                  f"{fmt_bytes(rs['device_used_bytes'])}")
+        print(table.splitlines()[-1], flush=True)
     write_results("cuda_check", result, table)
     if result["tests"]["returncode"] != 0:
         print("\nCUDA tests failed:\n" + result["tests"]["tail"], file=sys.stderr)
