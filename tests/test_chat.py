@@ -25,6 +25,10 @@ def test_exit_command_leaves_before_later_lines(model_path):
     assert sum(ln.startswith("prompt ") for ln in res.stderr.splitlines()) == 1, res.stderr
     # no --spec-type: the default speculation, said once at the start and measured per reply
     assert res.stderr.startswith("speculation: ngram-simple,draft-mtp") and "draft acceptance" in res.stderr
+    # the default model's file has no chat template: the start says it is a base model, and what to use
+    notes = [ln for ln in res.stderr.splitlines() if ln.startswith("note: ")]
+    assert len(notes) == 1 and "base (pretrained) model" in notes[0], res.stderr
+    assert "`gemmaspec pull gemma-3-1b-it`, then `-m gemma-3-1b-it`" in notes[0]
 
 
 def test_spec_type_none_turns_speculation_off(model_path):
@@ -34,6 +38,17 @@ def test_spec_type_none_turns_speculation_off(model_path):
     assert "speculation: off" in res.stderr and "draft acceptance" not in res.stderr
 
 
-def test_generate_cnv_points_to_chat(model_path):
+def test_generate_cnv_points_to_chat_in_one_line(model_path):
+    """llama-cli's ``-cnv`` on ``generate``: the hint alone (the whole usage text came first)."""
     res = run_cli("generate", "-m", str(model_path), "-p", "x", "-cnv")
-    assert res.returncode == 2 and "-cnv" in res.stderr and "gemmaspec chat" in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "usage:" not in res.stderr, res.stderr
+    assert lines[0].startswith("gemmaspec generate: error: -cnv") and "gemmaspec chat" in lines[0], lines[0]
+
+
+def test_generate_chat_says_when_the_model_is_a_base_model(model_path):
+    args = ("generate", "-m", str(model_path), "-p", "Hi", "-n", "2", "--temp", "0")
+    chat, plain = run_cli(*args, "--chat"), run_cli(*args)
+    assert chat.returncode == plain.returncode == 0, (chat.stderr, plain.stderr)
+    assert "note: this is a base (pretrained) model" in chat.stderr and "gemma-3-1b-it" in chat.stderr
+    assert "note:" not in plain.stderr  # continuing text is what a base model is for

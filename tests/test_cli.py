@@ -47,6 +47,17 @@ def test_generate_streams_text_and_stats(model_path):
     stats = next(ln for ln in lines if "TTFT" in ln)
     for word in ("prompt", "prefill", "tokens/s", "generated 12 tokens", "decode", "TTFT"):
         assert word in stats, stats
+    # no chatter by default: no provenance, no memory estimate, no base-model note (no --chat)
+    assert not any(ln.startswith(("memory (", "  why:", "note:")) for ln in lines), res.stderr
+
+
+def test_verbose_adds_why_and_the_memory_estimate(model_path):
+    res = run_cli("generate", "-m", str(model_path), "-p", "Hi", "-n", "2", "--temp", "0", "-v")
+    assert res.returncode == 0, res.stderr
+    lines = res.stderr.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("speculation: "))
+    assert lines[i + 1].startswith("  why: measured by"), res.stderr
+    assert any(re.match(r"memory \(cpu\): target [\d.]+ MiB", ln) for ln in lines), res.stderr
 
 
 def test_greedy_output_is_reproducible_and_pipeable(model_path):
@@ -199,7 +210,8 @@ def test_json_and_memory_line_name_the_drafter_that_runs(model_path):
     for ``ngram-simple,draft-simple``, whose draft model is as large as the target here)."""
     import json
 
-    base = ("generate", "-m", str(model_path), "-p", "The capital of France is", "-n", "4", "--temp", "0", "--json")
+    base = ("generate", "-m", str(model_path), "-p", "The capital of France is", "-n", "4", "--temp", "0", "--json",
+            "--verbose")  # the memory line is said with --verbose
     runs = {"default": run_cli(*base, "--spec-type", "default"), "md": run_cli(*base, "-md", str(model_path)),
             "list": run_cli(*base, "-md", str(model_path), "--spec-type", "ngram-simple,draft-simple")}
     rec = {k: json.loads(r.stdout.strip().splitlines()[-1]) for k, r in runs.items()}
@@ -312,6 +324,95 @@ def test_bad_context_size(model_path, ctx):
     _assert_one_line_error(run_cli("generate", "-m", str(model_path), "-p", "x", "-c", ctx), "-c must be 0", ctx)
 
 
+def test_serve_says_listening_once_it_answers(model_path, tmp_path):
+    """The ``listening on`` line comes once the port answers HTTP (it came ~2 s before uvicorn served the
+    port): a request sent as the line appears is answered at once (503 while the model loads, or 200)."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "gemmaspec", "serve", "--port", "0", "-m", str(model_path),
+                                 "-np", "1", "-c", "256"], stdout=subprocess.DEVNULL, stderr=f,
+                                stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (m := re.search(r"listening on (http://127\.0\.0\.1:\d+)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        r = httpx.get(m.group(1) + "/health", timeout=5)
+        took = time.monotonic() - t0
+        assert r.status_code in (200, 503) and took < 1.0, (r.status_code, took)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_the_listening_line_waits_until_the_port_is_served(monkeypatch):
+    """serve's uvicorn server says its line after its startup (the app's lifespan begun, every socket
+    served), however long that takes (here a lifespan start of 0.6 s); a request sent on the line is
+    answered at once. (The line was printed before uvicorn started, with the socket listening unserved.)"""
+    import asyncio
+    import socket
+    import sys
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from gemmaspec.cli.serve import _announcing_server
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await asyncio.sleep(0.6)
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        else:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    seen = {}
+
+    class Stderr:  # notes when the line comes
+        def write(self, text):
+            if "listening" in text:
+                seen.setdefault("line", time.monotonic())
+
+        def flush(self):
+            pass
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    server = _announcing_server(uvicorn)(uvicorn.Config(app, log_level="warning", lifespan="on"), "listening")
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    t0 = time.monotonic()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while "line" not in seen:
+            assert thread.is_alive() and time.monotonic() - t0 < 30
+            time.sleep(0.002)
+        r = httpx.get(f"http://127.0.0.1:{sock.getsockname()[1]}/", timeout=5)
+        answered = time.monotonic()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+    assert seen["line"] - t0 >= 0.6 and r.text == "ok" and answered - seen["line"] < 0.5, (seen["line"] - t0,
+                                                                                          answered - seen["line"])
+
+
 def test_serve_missing_model_fails_before_listening(tmp_path):
     res = run_cli("serve", "--port", "0", "-m", str(tmp_path / "missing.gguf"), timeout=60)
     _assert_one_line_error(res, "not found", "missing.gguf")
@@ -334,7 +435,7 @@ def test_the_memory_line_counts_the_shipped_assistant_without_m():
     the assistant that then drafts (it said ``drafter 0.0 MiB``: the shipped-assistant lookup got no path)."""
     import re
 
-    r = run_cli("generate", "-p", "Hello", "-n", "2", "--temp", "0", "--spec-type", "default")
+    r = run_cli("generate", "-p", "Hello", "-n", "2", "--temp", "0", "--spec-type", "default", "-v")
     assert r.returncode == 0, r.stderr
     drafter = float(re.search(r"\+ drafter ([\d.]+) MiB", r.stderr).group(1))
     assert 0 < drafter < 10, r.stderr

@@ -68,6 +68,11 @@ def test_models_props_and_slots(server, client):
     props = httpx.get(server.url + "/props").json()
     assert props["n_ctx"] == 2048 and props["total_slots"] == 4 and props["batched_forward"] is True
     assert props["speculative"]["type"] == "ngram-simple,draft-mtp" and props["speculative"]["n_max"] == 3
+    # the default model's file has no chat template: a base model, said in /props (for the chat page) and the log
+    assert props["is_base_model"] is True and props["model_has_chat_template"] is False
+    log = server.log()
+    assert "note: this is a base (pretrained) model" in log and "gemmaspec pull gemma-3-1b-it" in log
+    assert "why:" not in log and "memory (" not in log  # provenance and the estimate: with --verbose
     slots = httpx.get(server.url + "/slots").json()
     assert [s["id"] for s in slots] == [0, 1, 2, 3]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import httpx
 import openai
@@ -280,6 +281,8 @@ def test_no_slots_no_ui_verbose_and_chat_template_flags(tmp_path):
         r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                              "max_tokens": 2}, timeout=120).json()
         assert r["__verbose"]["prompt"].endswith("<|im_start|>assistant\n")  # --verbose: without asking
+        log = s.log()  # --verbose also says why the default speculation was chosen, and the memory estimate
+        assert "why: measured by" in log and re.search(r"memory \(cpu\): target [\d.]+ MiB", log), log
     finally:
         s.close()
     (tmp_path / "t.jinja").write_text("{{ strftime_now('%Y') }}:{% for m in messages %}[{{ m['role'] }}] "

@@ -58,14 +58,15 @@ class Parser(argparse.ArgumentParser):
 
 
 class _Refused(argparse.Action):
-    """A llama.cpp flag that does not apply: parsing it is an error naming the flag, with a hint."""
+    """A llama.cpp flag that does not apply: parsing it is a one-line error naming the flag, with a hint
+    (exit status 2, as argparse's; no usage text before it: the hint is what helps)."""
 
     def __init__(self, option_strings, dest, hint: str = "", **kw):
         super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         self.hint = hint
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} (llama.cpp's) does not apply to gemmaspec: {self.hint}")
+        parser.exit(2, f"{parser.prog}: error: {option_string} (llama.cpp's) does not apply here: {self.hint}\n")
 
 
 def refuse(p: argparse.ArgumentParser, table: dict) -> None:

@@ -138,13 +138,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     """``gemmaspec chat``. Returns the exit status (0)."""
-    from .generate import announce, load
+    from .generate import announce, load, note_if_base
 
     params = sampling_params(args)
     engine, drafter, plan, _, memory_line = load(args)
     announce(args, plan, memory_line)
-    if args.model is None:
-        print("note: the default model (Gemma 3 270M) is a base model: it continues text and only half follows a "
-              "conversation; for real answers pass -m with an instruction-tuned Gemma GGUF", file=sys.stderr)
+    note_if_base(engine)
     return run_chat(engine, drafter, params, n_max=plan.spec.n_max, n_min=plan.spec.n_min, system=args.system_prompt,
                     spec=plan.spec_type != "none")

@@ -1,9 +1,11 @@
 """``gemmaspec generate``: one prompt, the generated text (never the prompt) streamed to stdout.
 
-stderr gets the speculation line (which drafter, draft length), then after the text one stats line
-and, with speculation, llama-server's acceptance line and one line per drafter; ``--json`` adds the
-stats as one JSON line, the last on stdout. Also :func:`load`, shared with ``chat``: the settings
-checked and the memory estimated before anything is loaded, then the engine and the drafter.
+stderr gets the speculation line (which drafter, draft length; ``--verbose`` adds why it is the
+default and the memory estimate), then after the text one stats line and, with speculation,
+llama-server's acceptance line and one line per drafter; ``--json`` adds the stats as one JSON line, the
+last on stdout. ``--compare`` decodes the prompt plainly and then with speculation (:mod:`.compare`).
+Also :func:`load`, shared with ``chat``: the settings checked and the memory estimated before anything
+is loaded, then the engine and the drafter.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("-sys", "--system-prompt", default=None, help="system message for --chat")
     g.add_argument("--json", action="store_true",
                    help="after the text, print the stats as one JSON line on stdout (the last line)")
+    g.add_argument("--compare", action="store_true",
+                   help="decode the prompt plainly, then with speculation (one seed): both speeds, the speedup, "
+                        "and whether the two texts are identical (they must be; exit status 1 if not)")
     add_verbose(g)
     refuse(g, LLAMA_FLAGS_REFUSED_GENERATE)
     add_spec(g)
@@ -44,7 +49,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def add_verbose(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true",
-                   help="also say why the default speculation was chosen (the measurement behind it)")
+                   help="also say why the default speculation was chosen (the measurement behind it) and the "
+                        "memory estimate (a setup that does not fit is refused with its numbers either way)")
 
 
 def load(args):
@@ -74,13 +80,23 @@ def load(args):
 
 
 def announce(args, plan, memory_line: str | None) -> None:
-    """On stderr: the speculation line (which drafter, n-max, file), with ``--verbose`` the reason for a
-    shipped default, and the memory estimate's line when there is one."""
+    """On stderr: the speculation line (which drafter, n-max, file); with ``--verbose`` also the reason
+    for a shipped default and the memory estimate's line (when one was made)."""
     print(plan.line(), file=sys.stderr)
-    if getattr(args, "verbose", False) and plan.why:
-        print(f"  why: {plan.why}", file=sys.stderr)
-    if memory_line:
-        print(memory_line, file=sys.stderr)
+    if getattr(args, "verbose", False):
+        if plan.why:
+            print(f"  why: {plan.why}", file=sys.stderr)
+        if memory_line:
+            print(memory_line, file=sys.stderr)
+
+
+def note_if_base(engine) -> None:
+    """On stderr, before a chat: a plain note when the model is a base model (no chat template in its
+    file), naming the instruction-tuned models to use instead."""
+    from ..manage.catalog import base_model_note, is_base
+
+    if is_base(engine.tokenizer):
+        print(f"note: {base_model_note()}", file=sys.stderr)
 
 
 def read_prompt(args) -> str:
@@ -107,11 +123,19 @@ def run(args) -> int:
 
     params = sampling_params(args)
     prompt = read_prompt(args)
+    if args.compare:
+        from . import compare
+
+        compare.check(args)
     engine, drafter, plan, load_s, memory_line = load(args)
     ids = engine.encode_prompt(prompt, chat=args.chat, system=args.system_prompt)
     if not args.context_shift:
         engine.check_prompt(ids)
     announce(args, plan, memory_line)
+    if args.chat:
+        note_if_base(engine)
+    if args.compare:
+        return compare.run(args, engine, drafter, plan, load_s, ids, params)
     stats = RequestStats()
     out = sys.stdout
     n_max = plan.spec.n_max

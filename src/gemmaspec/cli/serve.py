@@ -1,8 +1,9 @@
 """The ``gemmaspec serve`` command: flags (llama-server's names) and startup.
 
-The socket is bound first (so a busy port is a one-line error), then uvicorn starts answering
-(``/health`` says 503 while the model loads on the scheduler thread, then 200). A model that fails to
-load ends the server with ``error: ...`` and exit status 1.
+The socket is bound first (so a busy port is a one-line error), then uvicorn starts answering and
+the ``listening on`` line is printed (``/health`` says 503 while the model loads on the scheduler
+thread, then 200). A model that fails to load ends the server with ``error: ...`` and exit status 1.
+``--verbose`` adds the memory estimate and why the default speculation was chosen.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="no chat page: / answers 404")
     s.add_argument("--verbose", action="store_true",
                    help="every OpenAI response carries __verbose (llama-server's native result, with the rendered "
-                        "prompt)")
+                        "prompt); the start also logs the memory estimate and why the default speculation was chosen")
     s.add_argument("--allowed-hosts", action="append", default=[], metavar="NAMES",
                    help="Host names the server answers to besides IP addresses and localhost (comma-separated, "
                         "repeatable; '*' for any): a guard against DNS rebinding")
@@ -148,6 +149,24 @@ def _check_readable(flag: str, path: str | None) -> None:
         raise ModelFileError(f"model file not readable: {p} ({flag}); check its permissions")
 
 
+def _announcing_server(uvicorn):
+    """A ``uvicorn.Server`` class that prints one line on stderr once it serves its sockets (after its
+    startup: the app's lifespan has begun and every socket has its server), not before: a client that
+    reads the line and connects gets an answer at once."""
+
+    class AnnouncingServer(uvicorn.Server):
+        def __init__(self, config, line: str):
+            super().__init__(config)
+            self.line = line
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started:
+                print(self.line, file=sys.stderr, flush=True)
+
+    return AnnouncingServer
+
+
 def serve(args) -> int:
     """Run the server until interrupted. Returns the exit status.
 
@@ -226,12 +245,11 @@ def serve(args) -> int:
 
     app = create_app(cfg, on_load_error=load_failed)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3)
-    server = uvicorn.Server(config)
     urls = ", ".join(f"http://{f'[{b}]' if ':' in b else b}:{port}" for b in binds)
-    if est is not None:
+    if est is not None and args.verbose:
         print(est.line(), file=sys.stderr)
-    print(f"gemmaspec serve: listening on {urls} (loading the model; /health answers 503 until "
-          "it is ready)", file=sys.stderr, flush=True)
+    server = _announcing_server(uvicorn)(config, f"gemmaspec serve: listening on {urls} (loading the model; /health "
+                                                 "answers 503 until it is ready)")
     try:
         server.run(sockets=socks)
     finally:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +30,10 @@ from ..paths import cache_home
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("qmatmul.c")
+COMPILE_TIME = "up to a minute, two on a busy machine"
+"""How long the first compile of ``qmatmul.c`` takes, as announced: measured on 2-core AMD EPYC machines,
+45 s beside one busy process, 116 s (at ``nice 10``) with a load average of 7; a quiet machine takes
+less. The actual time is said after the compile."""
 _threads: int | None = None  # the kernel's thread count inside ops_on_one_thread(); else PyTorch's
 
 
@@ -184,7 +189,7 @@ def _cpu_flags() -> str:
 def compiled_library(src: Path, isa: str = "auto"):
     """``src`` (a C file beside this module) compiled into the gemmaspec cache and loaded as a
     ``ctypes.CDLL``, or None when it cannot be had (no compiler, a broken build,
-    ``GEMMASPEC_NO_KERNELS=1``). Compiles on first use (about 1 s) into ``<cache>/kernels/``; the file
+    ``GEMMASPEC_NO_KERNELS=1``). Compiles on first use (:data:`COMPILE_TIME`) into ``<cache>/kernels/``; the file
     name holds a hash of the source, the compiler flags, the machine and its CPU flags, so a change of
     any of them rebuilds it."""
     if os.environ.get("GEMMASPEC_NO_KERNELS") == "1":
@@ -196,9 +201,14 @@ def compiled_library(src: Path, isa: str = "auto"):
     so = cache_home() / "kernels" / f"{src.stem}-{key}.so"
     try:
         if not so.exists():
-            if sys.stderr.isatty():
-                log.info("gemmaspec: compiling the C kernel %s for this CPU (once per machine, 10-30 s)", src.name)
+            tty = sys.stderr.isatty()
+            if tty:
+                log.info("gemmaspec: compiling the C kernel %s for this CPU (once per machine: %s)", src.name,
+                         COMPILE_TIME)
+            t0 = time.perf_counter()
             _compile(src, so, isa)
+            if tty:
+                log.info("gemmaspec: compiled %s in %.0f s", src.name, time.perf_counter() - t0)
         return ctypes.CDLL(str(so))
     except OSError as exc:  # no compiler, or a broken build: the caller falls back
         log.warning("gemmaspec: C kernel %s unavailable (%s); using the slower fallback", src.name, exc)

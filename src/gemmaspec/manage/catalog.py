@@ -1,7 +1,8 @@
 """The catalog of known checkpoints (``catalog.json`` beside this module): Gemma 4 targets and their
-MTP assistants in bf16, QAT and GGUF form, the exact-Q4_0 QAT drafters, and the embedded default
-model. Each entry names its source (a key of the file's ``sources``), its role, its pair and, for
-drafting, the draft length used when ``--spec-draft-n-max`` is not given (with that number's source).
+MTP assistants in bf16, QAT and GGUF form, the exact-Q4_0 QAT drafters, the embedded default
+model (a base model) and the Gemma 3 instruction-tuned GGUFs to chat with (:data:`CHAT_MODELS`). Each
+entry names its source (a key of the file's ``sources``), its role, its pair and, for drafting, the
+draft length used when ``--spec-draft-n-max`` is not given (with that number's source).
 
 Entry fields: ``name`` (what ``-m``/``-md``/``pull`` accept, case-insensitive), ``repo`` (Hugging
 Face repo id, None when unknown), ``file`` (one file of the repo; absent for checkpoint
@@ -63,6 +64,28 @@ def _load() -> tuple[dict[str, str], tuple[Entry, ...]]:
     entries = tuple(Entry(**{k: v for k, v in m.items() if k in known},
                           extra={k: v for k, v in m.items() if k not in known}) for m in data["models"])
     return data["sources"], entries
+
+
+CHAT_MODELS = ("gemma-3-1b-it", "gemma-3-270m-it", "gemma-3-4b-it")
+"""Instruction-tuned Gemma 3 GGUFs of the catalog to chat with, in the order to try them (1B: useful answers
+on a small CPU; 270M: the fastest; 4B: the best answers, the slowest)."""
+
+
+def base_model_note() -> str:
+    """What to tell someone about to chat with a base model (one line, no leading ``note:``): that it
+    continues text rather than answering, and which catalog models to use instead."""
+    first, *others = CHAT_MODELS
+    return (f"this is a base (pretrained) model: its file has no chat template, and it continues text rather than "
+            f"answering; to chat, use an instruction-tuned model: `gemmaspec pull {first}`, then `-m {first}` "
+            f"(also {', '.join(others)})")
+
+
+def is_base(tokenizer) -> bool:
+    """Whether the model behind ``tokenizer`` is a base (pretrained) model, decided from its file: no chat
+    template in its metadata (a GGUF's ``tokenizer.chat_template``; a checkpoint's
+    ``tokenizer_config.json`` or ``chat_template.jinja``), as for the embedded default model.
+    Instruction-tuned Gemma files carry their template."""
+    return not getattr(tokenizer, "chat_template_from_file", None)
 
 
 def entries() -> tuple[Entry, ...]:

@@ -24,10 +24,11 @@ class ServeConfig:
     for ``POST /slots/{id}?action=save|restore`` (None: slot actions answer 501). ``alias``: the
     model's names, comma-separated (``/v1/models`` reports the alphabetically first as ``id`` and all
     as ``aliases``, with ``tags``, as llama-server). ``verbose`` (``--verbose``): every OpenAI response
-    carries ``__verbose``; ``slots_endpoint`` False (``--no-slots``): ``GET /slots`` answers 501;
-    ``metrics_endpoint`` False (``--no-metrics``): ``GET /metrics`` answers 501; ``ui`` False
-    (``--no-ui``): ``/`` answers 404. ``chat_template``: Jinja text replacing the model's
-    template (``--chat-template``, ``--chat-template-file``).
+    carries ``__verbose``, and the start logs why the default speculation was chosen;
+    ``slots_endpoint`` False (``--no-slots``): ``GET /slots`` answers 501; ``metrics_endpoint`` False
+    (``--no-metrics``): ``GET /metrics`` answers 501; ``ui`` False (``--no-ui``): ``/`` answers 404.
+    ``chat_template``: Jinja text replacing the model's template (``--chat-template``,
+    ``--chat-template-file``).
     """
 
     model: str | None = None

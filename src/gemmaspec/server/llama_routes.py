@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, Response
 
 from ..errors import GemmaspecError
+from ..manage.catalog import is_base
 from . import jobs
 from .apierror import APIError
 from .deps import loaded, server_state
@@ -46,7 +47,9 @@ async def health(st: ServerState = Depends(loaded)):
 
 @router.get("/props")
 async def props(st: ServerState = Depends(loaded)):
-    """llama-server's server properties: default generation settings, slots, model, template, speculation."""
+    """llama-server's server properties: default generation settings, slots, model, template, speculation;
+    and gemmaspec's ``is_base_model`` (the model's file has no chat template: a base model, which
+    continues text rather than answering) and ``model_has_chat_template``."""
     e, m, cfg = st.engine, st.model, st.cfg
     return {
         "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": e.ctx_size,
@@ -57,6 +60,7 @@ async def props(st: ServerState = Depends(loaded)):
         "total_slots": cfg.n_slots, "model_path": str(m.path), "chat_template": e.tokenizer.chat_template,
         "chat_template_caps": {}, "modalities": {"vision": False, "audio": False}, "build_info": fingerprint(),
         "model": m.model_id, "n_ctx": e.ctx_size, "batched_forward": st.scheduler.batched,
+        "is_base_model": is_base(e.tokenizer), "model_has_chat_template": not is_base(e.tokenizer),
         "speculative": {"type": m.spec_type, "n_max": cfg.spec.n_max, "n_min": cfg.spec.n_min, "p_min": m.p_min,
                         "ngram_size": cfg.spec.ngram_size, "ngram_min": cfg.spec.ngram_min,
                         "draft_model": m.draft_file},

@@ -64,8 +64,12 @@ def load_model(cfg: ServeConfig) -> tuple[LoadedModel, Callable]:
         engine.tokenizer.chat_template = cfg.chat_template
     drafter_plan = plan(cfg.spec, path)
     log.info("%s", drafter_plan.line())
-    if drafter_plan.why:
+    if drafter_plan.why and cfg.verbose:
         log.info("why: %s", drafter_plan.why)
+    from ..manage.catalog import base_model_note, is_base
+
+    if is_base(engine.tokenizer):
+        log.info("note: %s", base_model_note())  # /props says it too: is_base_model
     make = build(drafter_plan, engine, warn=log.warning)
     if cfg.spec.n_max == "auto" and drafter_plan.spec_type != "none":
         engine.forward_costs()
