@@ -198,7 +198,8 @@ async def native_completion(request: Request, st: ServerState = Depends(loaded))
                 "timings_per_token": req.timings_per_token}
     fmts = [NativeFormatter(model_id, e.tokenizer, req.n_probs, req.return_tokens, settings,
                             e.tokenizer.decode(ids), timings_per_token=req.timings_per_token,
-                            response_fields=req.response_fields) for ids in prompts]
+                            response_fields=req.response_fields, provenance=req.return_provenance)
+            for ids in prompts]
     n_probs = req.n_probs if req.n_probs else None
     if len(prompts) == 1:
         return await jobs.generate(st, request, req, "completion", prompts[0], params, n_probs, fmts[0],
