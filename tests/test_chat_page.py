@@ -137,6 +137,22 @@ def test_settings_change_the_request_sent(page, server):
     assert "(0/0 drafts)" in page.locator(".msg.assistant .stats").inner_text()
 
 
+def test_edit_a_message_and_copy_a_reply(page):
+    page.locator(".msg.assistant .copy-msg").click()
+    page.wait_for_function("document.querySelector('.msg.assistant .copy-msg').textContent === 'copied'")
+    kept = page.evaluate("""() => { const d = JSON.parse(localStorage.getItem('gemmaspec-chats-v1'));
+                                    return d.chats.find(c => c.id === d.current).messages[1].content; }""")
+    assert kept.strip() and page.evaluate("navigator.clipboard.readText()") == kept
+    page.click(".msg.user .edit")
+    page.fill(".msg.user .edit-box", "Name a fruit.")
+    with page.expect_request("**/v1/chat/completions") as req:
+        page.click(".msg.user .save-edit")
+    assert req.value.post_data_json["messages"][1:] == [{"role": "user", "content": "Name a fruit."}]
+    page.wait_for_function("document.querySelector('.msg.assistant')?.dataset.done === '1'")
+    assert page.locator("#log .msg.user").all_inner_texts()[0].startswith("Name a fruit.")
+    assert page.locator("#log .msg").count() == 2  # the edited message and its new reply, nothing else
+
+
 def test_stop_keeps_the_replys_figures_and_frees_the_slot(page, server):
     page.click("#new-chat")
     settings(page, mode="chat", system="", top_k="", seed="", n_max="", spec="on", max_tokens="1500", temperature="0")
