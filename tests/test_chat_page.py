@@ -90,7 +90,8 @@ def test_markdown_from_the_model_cannot_carry_html(page):
         return m.renderMarkdown('**bold** <img src=x onerror="window.pwned=1"> <script>window.pwned=1</script>\\n\\n' +
                                 '[a](javascript:alert(1)) [b](https://example.com) ![c](http://example.com/c.png)');
     }""")
-    page.evaluate("h => { const d = document.createElement('div'); d.innerHTML = h; document.body.appendChild(d); }", html)
+    page.evaluate("h => { const d = document.createElement('div'); d.innerHTML = h; document.body.append(d); }",
+                  html)
     assert "<strong>bold</strong>" in html and "&lt;img" in html and "&lt;script&gt;" in html
     assert "<img" not in html and "<script" not in html and "javascript:" not in html
     assert '<a href="https://example.com"' in html and "[image: c]" in html
@@ -196,8 +197,9 @@ def test_token_colours_match_the_servers_provenance(page):
     expected = _expected_tokens(resp.value.text())
     reply = page.locator(".msg.assistant").nth(i)
     reply.locator(".toggle-tokens").click()
-    spans = reply.locator(".tok").evaluate_all(
-        "ss => ss.map(s => [s.dataset.source || null, s.textContent, s.dataset.rejected ? JSON.parse(s.dataset.rejected) : null, s.title])")
+    spans = reply.locator(".tok").evaluate_all("""ss => ss.map(s => [s.dataset.source || null, s.textContent,
+                                                      s.dataset.rejected ? JSON.parse(s.dataset.rejected) : null,
+                                                      s.title])""")
     assert [tuple(s[:3]) for s in spans] == [tuple(e) for e in expected]
     sources = {s[0] for s in spans}
     assert {"draft-mtp", "ngram-simple", "target"} <= sources, sources  # both drafters of the default list
