@@ -80,6 +80,17 @@ def test_models_props_and_slots(server, client):
 def test_chat_page_is_served(server):
     r = httpx.get(server.url + "/")
     assert r.status_code == 200 and "text/html" in r.headers["content-type"] and "<script>" in r.text
+    for src in re.findall(r'(?:src|href)="(static/[^"]+)"', r.text):  # every file the page names
+        assert httpx.get(f"{server.url}/{src}").status_code == 200, src
+    app = httpx.get(server.url + "/static/app.js")
+    assert app.status_code == 200 and app.headers["content-type"].startswith("text/javascript")
+    for vendored in ("marked.esm.js", "marked.LICENSE.md", "highlight.core.min.js", "highlight.LICENSE"):
+        assert httpx.get(f"{server.url}/static/vendor/{vendored}").status_code == 200, vendored
+    md = httpx.get(server.url + "/static/markdown.js").text  # every module it imports is there
+    for mod in re.findall(r'from "\./(vendor/[^"]+)"', md):
+        assert httpx.get(f"{server.url}/static/{mod}").status_code == 200, mod
+    for bad in ("/static/nope.js", "/static/../api.py", "/static/%2e%2e/api.py", "/static/"):
+        assert httpx.get(server.url + bad).status_code == 404, bad
 
 
 # ---- completions and chat ------------------------------------------------------------------------------

@@ -276,6 +276,7 @@ def test_no_slots_no_ui_verbose_and_chat_template_flags(tmp_path):
         r = httpx.get(s.url + "/metrics")
         assert r.status_code == 501 and "--no-metrics" in r.json()["error"]["message"]
         assert httpx.get(s.url + "/").status_code == 404 and httpx.get(s.url + "/health").status_code == 200
+        assert httpx.get(s.url + "/static/app.js").status_code == 404
         prompt = httpx.post(s.url + "/apply-template", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
         assert prompt["prompt"] == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],

@@ -332,6 +332,8 @@ def test_api_key_rule():
     assert not key_required("k", "/metrics", {"x-api-key": "k"})
     for path in ("/", "/health", "/v1/health", "/v1/models", "/models"):
         assert path in PUBLIC_PATHS and not key_required("k", path, {})
+    assert not key_required("k", "/static/app.js", {})  # the chat page's files
+    assert key_required("k", "/staticx", {}) and key_required("k", "/v1/static/app.js", {})
     assert key_required("k", "/slots", {}) and key_required("k", "/health/", {})
 
 

@@ -83,13 +83,36 @@ class TokenLogprob:
 
 
 @dataclass
+class TokenSource:
+    """Where a generated token came from in its decode round (the server's ``return_provenance``).
+
+    Attributes:
+        kind: the drafter's type (``draft-mtp``, ``ngram-simple``, ``draft-simple``) for an accepted
+            draft; ``target`` for the target's own token (the first token, a plain step's, the token
+            recovered after a rejection, or the bonus after all drafts were accepted).
+        pos: the token's position in its round (drafts 0..accepted-1, then the target's token).
+        drafted: drafts the round proposed (0: no drafting).
+        drafter: the drafter of the round's drafts ("" when none drafted).
+        rejected: on the target's token, the drafts it replaced (empty when all were accepted).
+    """
+
+    kind: str
+    pos: int = 0
+    drafted: int = 0
+    drafter: str = ""
+    rejected: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Event:
     """A streamed piece of output: ``text`` (may be empty) and the new token ids behind it, with
-    their log-probabilities when the request asked for them."""
+    their log-probabilities when the request asked for them and, per token, where it came from
+    (``sources``, parallel to ``tokens``; None when not known)."""
 
     text: str
     tokens: list[int]
     logprobs: list[TokenLogprob] | None = None
+    sources: list[TokenSource] | None = None
 
 
 class RoundInput(NamedTuple):
@@ -257,7 +280,7 @@ class RequestState:
         self.tokens.append(token)
         self._grammar_step(token)
         st.generated_tokens = 1
-        events = [Event(text, [token], self._logprobs(out.logits[0], [token], ids[:-1]))]
+        events = [Event(text, [token], self._logprobs(out.logits[0], [token], ids[:-1]), [TokenSource("target")])]
         self._check_context()
         if self.stop.reason:
             self._finish(events)
@@ -309,13 +332,17 @@ class RequestState:
                                masks=masks)
         if c is not None:
             c.rollback(c.consumed - base)  # back to the kept tokens; they are consumed again below
-        new = (drafts[:verdict.n_accepted] + [verdict.next_token])[:self.ctx_size - len(self.tokens)]
+        n_acc = verdict.n_accepted
+        new = (drafts[:n_acc] + [verdict.next_token])[:self.ctx_size - len(self.tokens)]
+        drafter = (rnd.source or self.drafter.name) if drafts else ""
         events = []
         for i, t in enumerate(new):
             text = self._take(t, st.generated_tokens + i + 1)
             if text is None:
                 break
-            events.append(Event(text, [t], self._logprobs(out.logits[i], [t], self.tokens + new[:i])))
+            src = TokenSource(drafter if i < n_acc else "target", i, len(drafts), drafter,
+                              [] if i < n_acc else drafts[n_acc:])
+            events.append(Event(text, [t], self._logprobs(out.logits[i], [t], self.tokens + new[:i]), [src]))
             self._grammar_step(t)
             if stop.reason:
                 break
@@ -430,7 +457,8 @@ def _merged(events: list[Event]) -> Iterator[Event]:
     toks = [e for e in events if e.tokens]
     if toks:
         lps = None if any(e.logprobs is None for e in toks) else [lp for e in toks for lp in e.logprobs]
-        yield Event("".join(e.text for e in toks), [t for e in toks for t in e.tokens], lps)
+        srcs = None if any(e.sources is None for e in toks) else [x for e in toks for x in e.sources]
+        yield Event("".join(e.text for e in toks), [t for e in toks for t in e.tokens], lps, srcs)
     for e in events:
         if not e.tokens:
             yield e

@@ -13,5 +13,5 @@ continuous batching over several slots and speculative decoding. See ``docs/serv
   and streamed chunks; :mod:`.apierror`: the error answer;
 - :mod:`.security` (Host / Origin / body checks), :mod:`.slots` (slot save / restore), :mod:`.tools`
   (tool calls), :mod:`.metrics` (Prometheus counters);
-- :mod:`.main`: the command's flags and startup; ``static/index.html``: the chat page at ``/``.
+- :mod:`.main`: the command's flags and startup; ``static/``: the chat page at ``/`` (its files under ``/static/``).
 """

@@ -10,7 +10,9 @@ from .security import key_matches
 from .state import ServerState
 
 PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health", "/v1/models", "/models"})
-"""Paths answered without the API key: llama-server's public set, and the chat page."""
+"""Paths answered without the API key: llama-server's public set, and the chat page (with its files,
+every path under :data:`PUBLIC_PREFIX`)."""
+PUBLIC_PREFIX = "/static/"
 
 
 def given_key(headers) -> str:
@@ -23,7 +25,7 @@ def given_key(headers) -> str:
 def key_required(api_key: str | None, path: str, headers) -> bool:
     """Whether a request to ``path`` with ``headers`` is refused for its key: the server has one
     (``--api-key``), the path is not public, and the request carries no key or another one."""
-    if not api_key or path in PUBLIC_PATHS:
+    if not api_key or path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIX):
         return False
     given = given_key(headers)
     return not given or not key_matches(given, api_key)

@@ -1,6 +1,6 @@
 """llama-server's native endpoints: ``/health``, ``/props``, ``/slots`` (and slot save / restore /
 erase), ``/metrics``, ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/completion``,
-``/infill``; and the chat page at ``/``.
+``/infill``; and the chat page at ``/`` with its files under ``/static/``.
 
 The API key is checked by the app-wide dependency (:func:`~gemmaspec.server.deps.require_key`);
 the routes that read the model take :func:`~gemmaspec.server.deps.loaded` (503 while it loads).
@@ -9,6 +9,7 @@ the routes that read the model take :func:`~gemmaspec.server.deps.loaded` (503 w
 from __future__ import annotations
 
 import asyncio
+import functools
 from importlib import resources
 
 from fastapi import APIRouter, Depends, Request
@@ -36,6 +37,36 @@ async def index(st: ServerState = Depends(server_state)):
     if not st.cfg.ui:
         raise APIError(404, "the web UI is disabled (--no-ui)")
     return HTMLResponse(resources.files("gemmaspec.server").joinpath("static/index.html").read_text("utf-8"))
+
+
+_STATIC_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
+                 ".html": "text/html; charset=utf-8"}
+
+
+@functools.lru_cache(maxsize=1)
+def static_files() -> dict:
+    """The chat page's files (``static/``, its vendored libraries and their licences), by path relative
+    to it (``vendor/marked.esm.js``): only these are served, so no request path reaches another file."""
+    out, todo = {}, [("", resources.files("gemmaspec.server").joinpath("static"))]
+    while todo:
+        prefix, folder = todo.pop()
+        for f in folder.iterdir():
+            if f.is_dir():
+                todo.append((f"{prefix}{f.name}/", f))
+            elif not f.name.startswith("."):
+                out[prefix + f.name] = f
+    return out
+
+
+@router.get("/static/{name:path}", include_in_schema=False)
+async def static(name: str, st: ServerState = Depends(server_state)):
+    """A file of the chat page (scripts, styles, vendored libraries and their licences, as text);
+    404 for any other name and with ``--no-ui``."""
+    f = static_files().get(name) if st.cfg.ui else None
+    if f is None:
+        raise APIError(404, f"no such file: /static/{name}")
+    kind = next((t for ext, t in _STATIC_TYPES.items() if name.endswith(ext)), "text/plain; charset=utf-8")
+    return Response(f.read_bytes(), media_type=kind, headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/health")
@@ -202,7 +233,8 @@ async def native_completion(request: Request, st: ServerState = Depends(loaded))
                 "timings_per_token": req.timings_per_token}
     fmts = [NativeFormatter(model_id, e.tokenizer, req.n_probs, req.return_tokens, settings,
                             e.tokenizer.decode(ids), timings_per_token=req.timings_per_token,
-                            response_fields=req.response_fields) for ids in prompts]
+                            response_fields=req.response_fields, provenance=req.return_provenance)
+            for ids in prompts]
     n_probs = req.n_probs if req.n_probs else None
     if len(prompts) == 1:
         return await jobs.generate(st, request, req, "completion", prompts[0], params, n_probs, fmts[0],

@@ -82,7 +82,8 @@ async def completions(request: Request, st: ServerState = Depends(loaded)):
     grammar = grammar_of(body)
     rid, usage, verbose = f"cmpl-{uuid.uuid4().hex[:24]}", include_usage(req), verbose_formatter(st, req, params, ids)
     fmts = [Formatter("completions", rid, st.model.model_id, e.tokenizer, req.logprobs, usage,
-                      timings_per_token=req.timings_per_token, verbose=verbose if i == 0 else None, index=i)
+                      timings_per_token=req.timings_per_token, verbose=verbose if i == 0 else None, index=i,
+                      provenance=req.return_provenance)
             for i in range(len(prompts) * req.n)]
     check_slot(req.id_slot, st.cfg.n_slots)
     if len(fmts) > 1:  # OpenAI's order: prompt p's n choices are p*n .. p*n + n-1
@@ -131,7 +132,8 @@ async def chat(request: Request, st: ServerState = Depends(loaded)):
         raise APIError(400, "n > 1 is not supported together with tools (one choice per tool-calling request)")
     rid, usage, verbose = f"chatcmpl-{uuid.uuid4().hex[:24]}", include_usage(req), verbose_formatter(st, req, params, ids)
     fmts = [Formatter("chat", rid, st.model.model_id, e.tokenizer, top, usage, tools=tools,
-                      timings_per_token=req.timings_per_token, verbose=verbose if i == 0 else None, index=i)
+                      timings_per_token=req.timings_per_token, verbose=verbose if i == 0 else None, index=i,
+                      provenance=req.return_provenance)
             for i in range(req.n)]
     check_slot(req.id_slot, st.cfg.n_slots)
     if req.n > 1:

@@ -58,6 +58,7 @@ class GenerationRequest(BaseModel):
     timings_per_token: bool = False  # llama-server's: timings in every streamed chunk
     return_progress: bool = False  # llama-server's: prompt-processing progress events in a stream
     verbose: bool = False  # llama-server's: the native result under "__verbose" (OpenAI endpoints)
+    return_provenance: bool = False  # gemmaspec's: where each token came from (drafter or target)
     id_slot: int = -1  # llama-server's: run in this slot (-1: any)
     n_keep: int | None = None  # llama-server's: prompt tokens kept by a context shift (-1: all; default --keep)
     n_discard: int = 0  # llama-server's: tokens dropped per context shift (0: half)

@@ -80,6 +80,26 @@ class TokenText:
         return out
 
 
+def provenance_json(events, text_of: TokenText) -> list[dict]:
+    """The ``provenance`` entries of ``events``' tokens (the request's ``return_provenance``), one per
+    token in order: ``id``, ``source`` (the drafter's type for an accepted draft, ``target`` for the
+    target's own token), ``pos`` (in its round) and ``drafted`` (drafts the round proposed); the
+    target's token of a round with drafts adds ``drafter`` and the drafts it replaced,
+    ``rejected`` (their texts, spelled as in log-probabilities) and ``rejected_ids``."""
+    out = []
+    for e in events:
+        for tid, s in zip(e.tokens, e.sources or [None] * len(e.tokens)):
+            if s is None:  # not known (an engine path that does not say): the target's, as far as we know
+                out.append({"id": tid, "source": "target", "pos": 0, "drafted": 0})
+                continue
+            entry = {"id": tid, "source": s.kind, "pos": s.pos, "drafted": s.drafted}
+            if s.kind == "target" and s.drafted:
+                entry.update(drafter=s.drafter, rejected=[text_of(t)[0] for t in s.rejected],
+                             rejected_ids=list(s.rejected))
+            out.append(entry)
+    return out
+
+
 class Formatter:
     """Builds OpenAI response objects (whole or streamed chunks) for one request.
 
@@ -90,11 +110,13 @@ class Formatter:
     ``tool_calls`` with ``finish_reason: "tool_calls"``). ``timings_per_token``: ``timings`` (so far)
     in every streamed chunk, not only the last. ``verbose``: a :class:`NativeFormatter` whose result
     (llama-server's ``/completion`` object, with the rendered ``prompt``) goes under ``__verbose``, in
-    the whole response or the first of the finishing chunks, as llama-server does with ``--verbose``."""
+    the whole response or the first of the finishing chunks, as llama-server does with ``--verbose``.
+    ``provenance`` (the request's ``return_provenance``): each choice (streamed chunk or whole
+    response) carries ``provenance``, where its tokens came from (:func:`provenance_json`)."""
 
     def __init__(self, kind: str, rid: str, model: str, tokenizer, logprobs: int | None,
                  include_usage: bool | None = None, tools=None, timings_per_token: bool = False,
-                 verbose: "NativeFormatter | None" = None, index: int = 0):
+                 verbose: "NativeFormatter | None" = None, index: int = 0, provenance: bool = False):
         self.kind, self.id, self.model, self.tok, self.logprobs = kind, rid, model, tokenizer, logprobs
         self.index = index  # the choice's index (n > 1: one formatter per choice)
         self.tools = tools
@@ -105,6 +127,7 @@ class Formatter:
         self.offset = 0  # characters of text so far (completions' text_offset)
         self.text: list[str] = []  # the streamed text so far (for __verbose)
         self.n_sent = 0  # tokens streamed so far (a speculative round's tokens arrive together)
+        self.provenance = provenance
 
     def _chat_lp(self, lps) -> dict:
         def entry(tid, lp):
@@ -160,7 +183,10 @@ class Formatter:
         self.text.append(ev.text)
         self.n_sent += len(ev.tokens)
         extra = {"timings": _timings(job, self.n_sent)} if self.timings_per_token and job is not None else {}
-        return self.chunk({"content": ev.text} if self.kind == "chat" else ev.text, None, lp, **extra)
+        out = self.chunk({"content": ev.text} if self.kind == "chat" else ev.text, None, lp, **extra)
+        if self.provenance:
+            out["choices"][0]["provenance"] = provenance_json([ev], self.text_of)
+        return out
 
     def progress_chunk(self, progress: dict) -> dict:
         """llama-server's ``return_progress`` event: ``prompt_progress`` (``total``, ``cache``,
@@ -221,6 +247,8 @@ class Formatter:
         else:
             choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
             obj = "text_completion"
+        if self.provenance:
+            choice["provenance"] = provenance_json(events, self.text_of)
         out = self._base(obj, [choice], usage=_usage(job), timings=_timings(job))
         if self.verbose is not None:
             out["__verbose"] = self.verbose.final(events, job)
@@ -236,16 +264,19 @@ class NativeFormatter:
     ``cache_n``), and ``completion_probabilities`` when ``n_probs`` > 0: per token ``id``, ``token``,
     ``bytes``, ``logprob`` and ``top_logprobs``, or with ``post_sampling_probs`` ``prob`` and
     ``top_probs`` (probabilities in the sampling distribution). ``timings_per_token``: ``timings`` in
-    every streamed event."""
+    every streamed event. ``provenance`` (``return_provenance``): ``provenance`` in every streamed
+    event and the whole result (:func:`provenance_json`)."""
 
     def __init__(self, model: str, tokenizer, n_probs: int, return_tokens: bool, settings: dict, prompt: str,
-                 timings_per_token: bool = False, response_fields: list[str] | None = None):
+                 timings_per_token: bool = False, response_fields: list[str] | None = None,
+                 provenance: bool = False):
         self.model, self.n_probs, self.return_tokens = model, n_probs, return_tokens
         self.text_of = TokenText(tokenizer)
         self.settings, self.prompt = settings, prompt
         self.timings_per_token = timings_per_token
         self.response_fields = response_fields or None
         self.n_sent = 0  # tokens streamed so far
+        self.provenance = provenance
 
     def _probs(self, events) -> list[dict]:
         def entry(tid, v, key):
@@ -268,6 +299,8 @@ class NativeFormatter:
             out["timings"] = _timings(job, self.n_sent)
         if self.n_probs:
             out["completion_probabilities"] = self._probs([ev])
+        if self.provenance:
+            out["provenance"] = provenance_json([ev], self.text_of)
         return out
 
     def progress_chunk(self, progress: dict, job: Job) -> dict:
@@ -294,6 +327,8 @@ class NativeFormatter:
         out["has_new_line"] = "\n" in out["content"]
         if self.n_probs and content is None:
             out["completion_probabilities"] = self._probs(events)
+        if self.provenance and content is None:
+            out["provenance"] = provenance_json(events, self.text_of)
         if self.response_fields:  # llama-server's: only these fields, nested ones by path ("a/b")
             out = {path: v for path, v in ((p, _at_path(out, p)) for p in self.response_fields) if v is not _MISSING}
         return out
