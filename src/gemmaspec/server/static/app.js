@@ -288,14 +288,14 @@ async function loadModel() {
   } catch (e) { $("model").textContent = "server unreachable"; }
 }
 
-/** The model's kind and the server's speculation, from /props. A base model is told by `is_base`
+/** The model's kind and the server's speculation, from /props. A base model is told by `is_base_model`
  * when the server sends it; without it the page stays in chat mode unless the settings say otherwise. */
 async function loadProps() {
   try {
     const r = await fetch("props", { headers: headers(settings.apikey) });
     if (!r.ok) return;
     const p = await r.json();
-    server = { isBase: typeof p.is_base === "boolean" ? p.is_base : null, spec: p.speculative || null };
+    server = { isBase: typeof p.is_base_model === "boolean" ? p.is_base_model : null, spec: p.speculative || null };
     const sp = server.spec;
     if (sp) $("model").textContent += ` · ${sp.type === "none" ? "no speculation" : sp.type + ", n-max " + sp.n_max}` +
                                        (server.isBase ? " · base model" : "");
