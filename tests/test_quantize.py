@@ -56,12 +56,18 @@ def _tensor(path, name):
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), mbits=st.sampled_from([7, 10, 23]), qat=st.booleans())
-def test_c_packer_equals_the_numpy_reference(seed, mbits, qat):
-    """The C fast path makes exactly the numpy reference's choices, block by block, bit for bit."""
+@given(seed=st.integers(0, 2**32 - 1), mbits=st.sampled_from([7, 10, 23]),
+       kind=st.sampled_from(["qat_bf16_step", "qat_f32_step", "plain"]))
+def test_c_packer_equals_the_numpy_reference(seed, mbits, kind):
+    """The C fast path makes exactly the numpy reference's choices, block by block, bit for bit: QAT
+    weights whose steps bf16 holds, QAT weights whose steps are float32 numbers (where the search for
+    the most values bit-exact after rounding runs), ordinary weights."""
     rng = np.random.default_rng(seed)
-    if qat:
+    if kind == "qat_bf16_step":
         w = _widen(_qat_bf16(rng, 16, 64, (-26, 2))[0])
+    elif kind == "qat_f32_step":
+        steps = (2.0 ** rng.uniform(-26, 2, (16, 2, 1))).astype(np.float32)
+        w = _widen(_bf16_bits((steps * rng.integers(-8, 8, (16, 2, 32))).reshape(16, 64)))
     else:
         w = rng.standard_normal((16, 64)).astype(np.float32) * 2.0 ** rng.uniform(-20, 5)
     if mbits == 10:
@@ -70,6 +76,7 @@ def test_c_packer_equals_the_numpy_reference(seed, mbits, qat):
     a, b = pack_exact(w, mbits, backend="numpy"), pack_exact(w, mbits, backend="c")
     assert np.array_equal(a.d.view(np.uint16), b.d.view(np.uint16))
     assert np.array_equal(a.levels, b.levels) and np.array_equal(a.exact, b.exact)
+    assert np.array_equal(a.exact_src, b.exact_src)
     assert np.array_equal(a.max_err_ulp, b.max_err_ulp) and np.array_equal(a.on_grid, b.on_grid)
     assert np.array_equal(a.q4_0_bytes(), b.q4_0_bytes())
     assert np.allclose(a.sq_err, b.sq_err, rtol=1e-12, atol=0) and np.allclose(a.sq_src, b.sq_src, rtol=1e-12)
