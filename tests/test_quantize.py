@@ -215,6 +215,32 @@ def test_cli_quantize_report_verify_and_strict(synthetic, tmp_path):
     assert not list(tmp_path.glob("*s.gguf*"))  # nothing left behind
 
 
+def test_report_per_tensor_bit_exact_fraction_and_ratio_to_q8_0(tmp_path):
+    """A QAT weight whose steps are float32 numbers: the report's per-tensor bit-exact fraction is the
+    share of values the written file gives back after bf16 rounding, and "vs Q8_0" is llama.cpp's
+    Q8_0 relative error over the file's (both recomputed here from the file, with gguf.quants); the
+    CLI prints them in the tensor's row."""
+    rng = np.random.default_rng(21)
+    steps = (2.0 ** rng.uniform(-9, -4, (64, 8, 1))).astype(np.float32)
+    src = _bf16_bits((steps * rng.integers(-8, 8, (64, 8, 32))).reshape(64, 256))
+    path = _write_gguf(tmp_path / "f32step.gguf", {"blk.0.attn_q.weight": (src, T.BF16)})
+    out, report = tmp_path / "o.gguf", tmp_path / "r.json"
+    res = run_cli("quantize", "--exact", str(path), str(out), "--report", str(report), "--compare-all")
+    assert res.returncode == 0, res.stderr
+    w = _widen(src).astype(np.float64)
+    got, _ = _tensor(out, "blk.0.attn_q.weight")
+    deq = gguf.quants.dequantize(np.asarray(got.data), T.Q4_0).reshape(w.shape).astype(np.float32)
+    bit_exact = (_widen(_bf16_bits(deq)) == w).mean()
+    q8 = gguf.quants.dequantize(gguf.quants.quantize(w.astype(np.float32), T.Q8_0), T.Q8_0)
+    ratio = np.linalg.norm(q8 - w) / np.linalg.norm(deq - w)
+    t = json.loads(report.read_text())["tensors"][0]
+    assert t["type"] == "Q4_0" and t["bit_exact_fraction"] == pytest.approx(bit_exact, abs=1e-12)
+    assert t["closer_than_q8_0"] == pytest.approx(ratio, rel=1e-6) and ratio > 2
+    assert bit_exact > 0.98  # the trained steps are float32 numbers: no fp16 step reproduces every block
+    row = next(line for line in res.stderr.splitlines() if line.startswith("blk.0.attn_q.weight"))
+    assert f"{bit_exact:.1%}" in row and f"{ratio:.1f}x" in row
+
+
 def test_verify_catches_a_changed_value(synthetic, tmp_path):
     path, _ = synthetic
     out = tmp_path / "o.gguf"
