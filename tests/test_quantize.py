@@ -180,6 +180,7 @@ def test_synthetic_checkpoint_report_and_types(synthetic, tmp_path):
     assert t["q8_0"]["rel_err"] == pytest.approx(want)
     tot = rep.totals()
     assert tot["tensors_q4_0"] == 2 and tot["tensors_fallback"] == 2
+    assert tot["bit_exact_fraction_q4_0"] == 1.0  # bf16 steps: every value comes back after bf16 rounding
     assert tot["bytes"]["q8_0"] - tot["bytes"]["exact_q4_0"] == 136 * 16
     # the levels written are the trained ones
     got, _ = _tensor(tmp_path / "out.gguf", "blk.0.attn_k.weight")
@@ -233,8 +234,11 @@ def test_report_per_tensor_bit_exact_fraction_and_ratio_to_q8_0(tmp_path):
     bit_exact = (_widen(_bf16_bits(deq)) == w).mean()
     q8 = gguf.quants.dequantize(gguf.quants.quantize(w.astype(np.float32), T.Q8_0), T.Q8_0)
     ratio = np.linalg.norm(q8 - w) / np.linalg.norm(deq - w)
-    t = json.loads(report.read_text())["tensors"][0]
+    data = json.loads(report.read_text())
+    t = data["tensors"][0]
     assert t["type"] == "Q4_0" and t["bit_exact_fraction"] == pytest.approx(bit_exact, abs=1e-12)
+    assert data["total"]["bit_exact_fraction_q4_0"] == pytest.approx(bit_exact, abs=1e-12)
+    assert f"give back {bit_exact:.1%} of their values" in res.stderr
     assert t["closer_than_q8_0"] == pytest.approx(ratio, rel=1e-6) and ratio > 2
     assert bit_exact > 0.98  # the trained steps are float32 numbers: no fp16 step reproduces every block
     row = next(line for line in res.stderr.splitlines() if line.startswith("blk.0.attn_q.weight"))

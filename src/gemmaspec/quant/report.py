@@ -120,7 +120,7 @@ class QuantizeReport:
         for t in looked:
             if t.type != "Q4_0":
                 whole.add(t.stored)
-        q4_blocks = sum(t.blocks for t in packed)
+        q4_blocks, q4_values = sum(t.blocks for t in packed), sum(t.values for t in packed)
         return {
             "tensors": len(self.tensors),
             "tensors_q4_0": len(packed),
@@ -130,6 +130,9 @@ class QuantizeReport:
             "values": sum(t.values for t in looked),
             "values_exact": sum(t.values_exact for t in looked),
             "values_exact_src": sum(t.values_exact_src for t in looked),
+            # over the tensors written as exact Q4_0: values given back after rounding to the source type, in float32
+            "bit_exact_fraction_q4_0": sum(t.values_exact_src for t in packed) / q4_values if q4_values else None,
+            "bit_exact_fraction_q4_0_f32": sum(t.values_exact for t in packed) / q4_values if q4_values else None,
             "exact_q4_0": ex.to_json(),
             "q8_0": q8.to_json(),
             "q4_0_amax": q4.to_json(),
@@ -159,12 +162,12 @@ class QuantizeReport:
             lines.append("total: no BF16/F16/F32 weight to pack (every tensor was copied or kept as it was); "
                          "the input is not an unquantized checkpoint")
         else:
-            n = max(1, s["values"])
+            exact = (f"; the Q4_0 tensors give back {s['bit_exact_fraction_q4_0']:.1%} of their values bit-exactly in the "
+                     f"source's type ({s['bit_exact_fraction_q4_0_f32']:.1%} in float32), worst "
+                     f"{s['exact_q4_0']['max_err_ulp']:.2f} ulp") if s["tensors_q4_0"] else ""
             lines.append(
                 f"total: {s['tensors_q4_0']} tensors exact Q4_0, {s['tensors_fallback']} in the fallback ({self.fallback}); "
-                f"{s['blocks_on_grid']}/{s['blocks']} blocks on the grid, {s['values_exact_src'] / n:.1%} of values "
-                f"bit-exact in the source's type ({s['values_exact'] / n:.1%} in float32), "
-                f"worst {s['exact_q4_0']['max_err_ulp']:.2f} ulp in the Q4_0 tensors")
+                f"{s['blocks_on_grid']}/{s['blocks']} blocks on the grid{exact}")
         if s["tensors_q4_0"]:
             ex, q8, q4 = s["exact_q4_0"]["rel_err"], s["q8_0"]["rel_err"], s["q4_0_amax"]["rel_err"]
             ratio = f" ({q8 / ex:.1f}x closer than Q8_0)" if ex > 0 else (" (Q8_0 is not)" if q8 > 0 else "")
