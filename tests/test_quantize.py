@@ -56,12 +56,18 @@ def _tensor(path, name):
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), mbits=st.sampled_from([7, 10, 23]), qat=st.booleans())
-def test_c_packer_equals_the_numpy_reference(seed, mbits, qat):
-    """The C fast path makes exactly the numpy reference's choices, block by block, bit for bit."""
+@given(seed=st.integers(0, 2**32 - 1), mbits=st.sampled_from([7, 10, 23]),
+       kind=st.sampled_from(["qat_bf16_step", "qat_f32_step", "plain"]))
+def test_c_packer_equals_the_numpy_reference(seed, mbits, kind):
+    """The C fast path makes exactly the numpy reference's choices, block by block, bit for bit: QAT
+    weights whose steps bf16 holds, QAT weights whose steps are float32 numbers (where the search for
+    the most values bit-exact after rounding runs), ordinary weights."""
     rng = np.random.default_rng(seed)
-    if qat:
+    if kind == "qat_bf16_step":
         w = _widen(_qat_bf16(rng, 16, 64, (-26, 2))[0])
+    elif kind == "qat_f32_step":
+        steps = (2.0 ** rng.uniform(-26, 2, (16, 2, 1))).astype(np.float32)
+        w = _widen(_bf16_bits((steps * rng.integers(-8, 8, (16, 2, 32))).reshape(16, 64)))
     else:
         w = rng.standard_normal((16, 64)).astype(np.float32) * 2.0 ** rng.uniform(-20, 5)
     if mbits == 10:
@@ -70,6 +76,7 @@ def test_c_packer_equals_the_numpy_reference(seed, mbits, qat):
     a, b = pack_exact(w, mbits, backend="numpy"), pack_exact(w, mbits, backend="c")
     assert np.array_equal(a.d.view(np.uint16), b.d.view(np.uint16))
     assert np.array_equal(a.levels, b.levels) and np.array_equal(a.exact, b.exact)
+    assert np.array_equal(a.exact_src, b.exact_src)
     assert np.array_equal(a.max_err_ulp, b.max_err_ulp) and np.array_equal(a.on_grid, b.on_grid)
     assert np.array_equal(a.q4_0_bytes(), b.q4_0_bytes())
     assert np.allclose(a.sq_err, b.sq_err, rtol=1e-12, atol=0) and np.allclose(a.sq_src, b.sq_src, rtol=1e-12)
@@ -173,6 +180,7 @@ def test_synthetic_checkpoint_report_and_types(synthetic, tmp_path):
     assert t["q8_0"]["rel_err"] == pytest.approx(want)
     tot = rep.totals()
     assert tot["tensors_q4_0"] == 2 and tot["tensors_fallback"] == 2
+    assert tot["bit_exact_fraction_q4_0"] == 1.0  # bf16 steps: every value comes back after bf16 rounding
     assert tot["bytes"]["q8_0"] - tot["bytes"]["exact_q4_0"] == 136 * 16
     # the levels written are the trained ones
     got, _ = _tensor(tmp_path / "out.gguf", "blk.0.attn_k.weight")
@@ -206,6 +214,35 @@ def test_cli_quantize_report_verify_and_strict(synthetic, tmp_path):
     strict = run_cli("quantize", "--exact", "--strict", str(path), str(tmp_path / "s.gguf"))
     assert strict.returncode == 1 and "blk.0.ffn_up.weight" in strict.stderr and "block 0 of row 0" in strict.stderr
     assert not list(tmp_path.glob("*s.gguf*"))  # nothing left behind
+
+
+def test_report_per_tensor_bit_exact_fraction_and_ratio_to_q8_0(tmp_path):
+    """A QAT weight whose steps are float32 numbers: the report's per-tensor bit-exact fraction is the
+    share of values the written file gives back after bf16 rounding, and "vs Q8_0" is llama.cpp's
+    Q8_0 relative error over the file's (both recomputed here from the file, with gguf.quants); the
+    CLI prints them in the tensor's row."""
+    rng = np.random.default_rng(21)
+    steps = (2.0 ** rng.uniform(-9, -4, (64, 8, 1))).astype(np.float32)
+    src = _bf16_bits((steps * rng.integers(-8, 8, (64, 8, 32))).reshape(64, 256))
+    path = _write_gguf(tmp_path / "f32step.gguf", {"blk.0.attn_q.weight": (src, T.BF16)})
+    out, report = tmp_path / "o.gguf", tmp_path / "r.json"
+    res = run_cli("quantize", "--exact", str(path), str(out), "--report", str(report), "--compare-all")
+    assert res.returncode == 0, res.stderr
+    w = _widen(src).astype(np.float64)
+    got, _ = _tensor(out, "blk.0.attn_q.weight")
+    deq = gguf.quants.dequantize(np.asarray(got.data), T.Q4_0).reshape(w.shape).astype(np.float32)
+    bit_exact = (_widen(_bf16_bits(deq)) == w).mean()
+    q8 = gguf.quants.dequantize(gguf.quants.quantize(w.astype(np.float32), T.Q8_0), T.Q8_0)
+    ratio = np.linalg.norm(q8 - w) / np.linalg.norm(deq - w)
+    data = json.loads(report.read_text())
+    t = data["tensors"][0]
+    assert t["type"] == "Q4_0" and t["bit_exact_fraction"] == pytest.approx(bit_exact, abs=1e-12)
+    assert data["total"]["bit_exact_fraction_q4_0"] == pytest.approx(bit_exact, abs=1e-12)
+    assert f"give back {bit_exact:.1%} of their values" in res.stderr
+    assert t["closer_than_q8_0"] == pytest.approx(ratio, rel=1e-6) and ratio > 2
+    assert bit_exact > 0.98  # the trained steps are float32 numbers: no fp16 step reproduces every block
+    row = next(line for line in res.stderr.splitlines() if line.startswith("blk.0.attn_q.weight"))
+    assert f"{bit_exact:.1%}" in row and f"{ratio:.1f}x" in row
 
 
 def test_verify_catches_a_changed_value(synthetic, tmp_path):

@@ -1,15 +1,18 @@
 /* Exact Q4_0 packing: per 32-value block, recover the trained step and the levels in [-8, 7].
  *
  * The same search, candidate order and tie rules as gemmaspec/quant/q4_0_exact.py (the reference,
- * kept in numpy); this is its fast path. Per block: for each level k the block's peak may sit on,
+ * kept in numpy); this is its fast path. Every candidate fp16 step is scored by the float32
+ * reconstruction d*k against the source (better(): within tolerance of every value beats not; then
+ * more values reproduced bit-exactly after rounding d*k to the source format; then, among steps
+ * reproducing all 32 that way, more reproduced in float32 itself; then the smaller worst error, in
+ * units of the source's last place). The candidates: for each level k the block's peak may sit on,
  * s = peak / k, levels = rint(v / s) (round half to even, as numpy), a least-squares step over the
  * block (summed in numpy's pairwise order, so the fp16 rounding matches bit for bit), then the fp16
- * steps f16(s), f16(s_ls) and its two fp16 neighbours are scored by the float32 reconstruction d*k
- * against the source: within tolerance of every value beats not; then more bit-exact values; then
- * the smaller worst error (in units of the source's last place). Levels -8, 7, -7, 6, -6 first; the
- * others only on a block off the grid (full scoring) or on the grid but not all bit-exact (then only
- * an fp16 step peak / k reproducing every value bit-exactly is taken: exact_step); then, on the grid
- * and still not all bit-exact, the steps read off single values (try_value_steps).
+ * steps f16(s), f16(s_ls) and its two fp16 neighbours. Levels -8, 7, -7, 6, -6 first; the others only
+ * on a block off the grid (full scoring) or on the grid but not all bit-exact (then only an fp16 step
+ * peak / k reproducing every value bit-exactly is taken: exact_step); then, on the grid and still not
+ * all bit-exact in float32, the steps read off single values (try_value_steps) and every fp16 step
+ * within WINDOW units of the best (try_window).
  *
  * Built with -O3 -march=native -ffp-contract=off (no fused multiply-adds, so float results equal
  * numpy's), blocks spread over gemmaspec's thread pool (pool.h).
@@ -83,35 +86,75 @@ static double np_sum32(const double *a) {
 typedef struct {
     uint16_t d;
     int8_t l[QK];
-    int exact;
+    int src;                                      /* values equal to the source after rounding to its format */
+    int f32;                                      /* values equal to the source in float32 itself */
     double err;
 } best_t;
 
-/* Score the fp16 step h with levels lv (lv32: the same as float) against the block; keep it in b when
- * better: within tolerance beats not, then more bit-exact values, then the smaller worst error. The
- * same scoring as try_level's loop (kept inline there: a shared call made that path 1.4x slower). */
-static void score_step(const float *v, const double *v64, const double *inv_ulp, uint16_t h, const double *lv,
-                       const float *lv32, double tol, best_t *b) {
+/* 1 where r, rounded to the source format (round half to even; mbits 7 bf16, 10 f16, 23 f32: unchanged),
+ * equals v (q4_0_exact.round_to_source). For bf16 and f32 a branch-free form the compiler vectorizes:
+ * bits + add + ((bits >> 16) & one), then the mask (SRC_PARAMS gives add, one, mask). */
+static inline int src_eq(float r, float v, uint32_t add, uint32_t one, uint32_t mask) {
+    uint32_t bits;
+    float x;
+    memcpy(&bits, &r, 4);
+    bits = (bits + add + ((bits >> 16) & one)) & mask;
+    memcpy(&x, &bits, 4);
+    return x == v;
+}
+
+static inline int src_eq_f16(float r, float v) { return f16_to_f32(f64_to_f16((double)r)) == v; }
+
+#define SRC_PARAMS(mbits)                                                                     \
+    const uint32_t add = (mbits) == 7 ? 0x7fffu : 0u, one = (mbits) == 7 ? 1u : 0u,           \
+                   mask = (mbits) == 7 ? 0xffff0000u : ~0u
+
+/* Whether a candidate (src, f32, err) beats b: within tolerance beats not; then more values exact in
+ * the source format; then, both reproducing all 32 that way, more exact in float32; then the smaller
+ * worst error (q4_0_exact._key_better). */
+static inline int better(int src, int f32, double err, const best_t *b, double tol) {
+    int ok = err <= tol, best_ok = b->err <= tol;
+    if (ok != best_ok) return ok;
+    if (src != b->src) return src > b->src;
+    int t = src == QK ? f32 : -1, bt = b->src == QK ? b->f32 : -1;
+    if (t != bt) return t > bt;
+    return err < b->err;
+}
+
+/* Score the fp16 step h with levels lv32 against the block; keep it in b when better(). Always inlined:
+ * as a plain call, try_level's path was 1.4x slower. */
+static inline __attribute__((always_inline)) void score_step(const float *v, const double *v64, const double *inv_ulp,
+                                                             int mbits, uint16_t h, const float *lv32, double tol,
+                                                             best_t *b) {
     float d = f16_to_f32(h);
-    int exact = 0;
+    int counts = 0;                                /* src + 256 * f32 */
     int64_t errbits[QK];
-    for (int i = 0; i < QK; i++) {
-        float r = d * lv32[i];
-        exact += r == v[i];
-        double e = fabs((double)r - v64[i]) * inv_ulp[i];
-        memcpy(&errbits[i], &e, 8);                /* non-negative doubles order as integers */
-    }
+    SRC_PARAMS(mbits);
+    if (mbits == 10)
+        for (int i = 0; i < QK; i++) {
+            float r = d * lv32[i];
+            counts += src_eq_f16(r, v[i]) + ((r == v[i]) << 8);
+            double e = fabs((double)r - v64[i]) * inv_ulp[i];
+            memcpy(&errbits[i], &e, 8);            /* non-negative doubles order as integers */
+        }
+    else
+        for (int i = 0; i < QK; i++) {
+            float r = d * lv32[i];
+            counts += src_eq(r, v[i], add, one, mask) + ((r == v[i]) << 8);
+            double e = fabs((double)r - v64[i]) * inv_ulp[i];
+            memcpy(&errbits[i], &e, 8);
+        }
+    int src = counts & 255, f32 = counts >> 8;
     int64_t mx = 0;
     for (int i = 0; i < QK; i++) mx = errbits[i] > mx ? errbits[i] : mx;
     double err;
     memcpy(&err, &mx, 8);
-    int ok = err <= tol, best_ok = b->err <= tol;
-    int better = (ok && !best_ok) || (ok == best_ok && (exact > b->exact || (exact == b->exact && err < b->err)));
-    if (better) {
+    if (better(src, f32, err, b, tol)) {
         b->d = h;
-        b->exact = exact;
+        b->src = src;
+        b->f32 = f32;
         b->err = err;
-        for (int i = 0; i < QK; i++) b->l[i] = (int8_t)lv[i];
+        for (int i = 0; i < QK; i++) b->l[i] = (int8_t)lv32[i];
     }
 }
 
@@ -127,7 +170,7 @@ static int levels_for(const double *v64, double s, double *lv, float *lv32) {
     return valid;
 }
 
-static void try_level(const float *v, const double *v64, const double *inv_ulp, double peak, int k,
+static void try_level(const float *v, const double *v64, const double *inv_ulp, int mbits, double peak, int k,
                       double tol, best_t *b) {
     double s = peak / (double)k, lv[QK], prod[QK];
     int valid = 1;
@@ -148,28 +191,7 @@ static void try_level(const float *v, const double *v64, const double *inv_ulp, 
     for (int c = 0; c < 4; c++) {
         int seen = 0;                              /* a step already scored cannot be strictly better */
         for (int p = 0; p < c; p++) seen |= steps[p] == steps[c];
-        if (seen) continue;
-        float d = f16_to_f32(steps[c]);
-        int exact = 0;
-        int64_t errbits[QK];
-        for (int i = 0; i < QK; i++) {
-            float r = d * lv32[i];
-            exact += r == v[i];
-            double e = fabs((double)r - v64[i]) * inv_ulp[i];
-            memcpy(&errbits[i], &e, 8);            /* non-negative doubles order as integers */
-        }
-        int64_t mx = 0;
-        for (int i = 0; i < QK; i++) mx = errbits[i] > mx ? errbits[i] : mx;
-        double err;
-        memcpy(&err, &mx, 8);
-        int ok = err <= tol, best_ok = b->err <= tol;
-        int better = (ok && !best_ok) || (ok == best_ok && (exact > b->exact || (exact == b->exact && err < b->err)));
-        if (better) {
-            b->d = steps[c];
-            b->exact = exact;
-            b->err = err;
-            for (int i = 0; i < QK; i++) b->l[i] = (int8_t)lv[i];
-        }
+        if (!seen) score_step(v, v64, inv_ulp, mbits, steps[c], lv32, tol, b);
     }
 }
 
@@ -179,7 +201,8 @@ static void try_level(const float *v, const double *v64, const double *inv_ulp, 
  * squares fit only come near it. For each of those level magnitudes (8, 4, 2, 1) the block's current
  * levels hold, the first such value gives d = f16(v / level), scored with levels rint(v / d) unless it
  * is the block's step already (the usual case: then it costs one division). */
-static void try_value_steps(const float *v, const double *v64, const double *inv_ulp, double tol, best_t *b) {
+static void try_value_steps(const float *v, const double *v64, const double *inv_ulp, int mbits, double tol,
+                            best_t *b) {
     static const int MAGS[4] = {8, 4, 2, 1};
     int8_t cur[QK];
     uint16_t tried[5] = {b->d};                   /* the current step is not scored again */
@@ -197,7 +220,7 @@ static void try_value_steps(const float *v, const double *v64, const double *inv
         tried[ntried++] = h;
         double lv[QK];
         float lv32[QK];
-        if (levels_for(v64, (double)f16_to_f32(h), lv, lv32)) score_step(v, v64, inv_ulp, h, lv, lv32, tol, b);
+        if (levels_for(v64, (double)f16_to_f32(h), lv, lv32)) score_step(v, v64, inv_ulp, mbits, h, lv32, tol, b);
     }
 }
 
@@ -216,16 +239,89 @@ static int exact_step(const float *v, double peak, int k, best_t *b) {
     }
     b->d = h;
     memcpy(b->l, l, QK);
-    b->exact = QK;
+    b->src = QK;
+    b->f32 = QK;
     b->err = 0.0;
     return 1;
+}
+
+/* Values reproduced by the steps +d and -d with the levels q (clipped to [-8, 8]: level 8 only fits -d,
+ * level -8 only +d), bit-exact after rounding to the source format (src) and in float32 (f32): the
+ * cheap counts of try_window, the counts its full scoring makes (q4_0_exact._cheap_counts). Each sum
+ * holds both (src + 256 * f32): over all values, and over those on level 8 and on -8, taken off. */
+typedef struct {
+    int src_plus, src_minus, f32_plus, f32_minus;
+} counts_t;
+
+static inline counts_t cheap_counts(const float *v, float d, const float *q, int mbits) {
+    int sum = 0, at8 = 0, atm8 = 0;
+    SRC_PARAMS(mbits);
+    for (int i = 0; i < QK; i++) {
+        float r = d * q[i];
+        int e = (mbits == 10 ? src_eq_f16(r, v[i]) : src_eq(r, v[i], add, one, mask)) + ((r == v[i]) << 8);
+        sum += e;
+        at8 += q[i] == 8.0f ? e : 0;
+        atm8 += q[i] == -8.0f ? e : 0;
+    }
+    int p = sum - at8, m = sum - atm8;
+    counts_t c = {p & 255, m & 255, p >> 8, m >> 8};
+    return c;
+}
+
+/* Whether counts (src, f32) could beat b: more values exact after rounding, or as many (then, at all
+ * 32, at least as many exact in float32). */
+static inline int reaches(int src, int f32, const best_t *b) {
+    return src > b->src || (src == b->src && (src < QK || f32 >= b->f32));
+}
+
+#define WINDOW 8 /* fp16 units either side of the best step (q4_0_exact.WINDOW) */
+
+/* On the grid, not all bit-exact in float32 (a trained step fp16 cannot hold): every fp16 step within
+ * WINDOW units of the best, ascending, + before -, with the best's levels n taken for +|d_best|
+ * (clipped to [-8, 7] for +d; -n clipped for -d); counted cheaply first, fully scored only when the
+ * counts could beat the best (q4_0_exact._window_steps). */
+static void try_window(const float *v, const double *v64, const double *inv_ulp, int mbits, double tol, best_t *b) {
+    int h0 = b->d & 0x7fff;
+    if (h0 == 0) return;
+    float q[QK], lp[QK], lm[QK], sign = b->d & 0x8000 ? -1.0f : 1.0f;
+    for (int i = 0; i < QK; i++) {
+        q[i] = sign * (float)b->l[i];            /* the best's levels for +|d_best|, in [-8, 8] */
+        lp[i] = q[i] > 7.0f ? 7.0f : q[i];
+        lm[i] = -q[i] > 7.0f ? 7.0f : -q[i];
+    }
+    /* A block all reproduced after rounding can only gain values exact in float32. A value d0 * n == v
+     * (n != 0) is exact at no other step with the same level, so when the c0 such values leave fewer
+     * than the best's count to any other step, only h0 itself is scored: the same choice, cheaper. */
+    int lo = h0 - WINDOW, hi = h0 + WINDOW, c0 = 0;
+    if (b->src == QK) {
+        float f0 = f16_to_f32((uint16_t)h0);
+        for (int i = 0; i < QK; i++) c0 += (q[i] != 0.0f) & (f0 * q[i] == v[i]);
+        if (QK - c0 < b->f32) lo = hi = h0;
+    }
+    if (mbits == 10)
+        for (int h = lo; h <= hi; h++) {
+            if (h <= 0 || h >= 0x7c00) continue;
+            counts_t c = cheap_counts(v, f16_to_f32((uint16_t)h), q, 10);
+            if (reaches(c.src_plus, c.f32_plus, b)) score_step(v, v64, inv_ulp, 10, (uint16_t)h, lp, tol, b);
+            if (reaches(c.src_minus, c.f32_minus, b))
+                score_step(v, v64, inv_ulp, 10, (uint16_t)(h | 0x8000), lm, tol, b);
+        }
+    else
+        for (int h = lo; h <= hi; h++) {
+            if (h <= 0 || h >= 0x7c00) continue;
+            counts_t c = cheap_counts(v, f16_to_f32((uint16_t)h), q, mbits);
+            if (reaches(c.src_plus, c.f32_plus, b)) score_step(v, v64, inv_ulp, mbits, (uint16_t)h, lp, tol, b);
+            if (reaches(c.src_minus, c.f32_minus, b))
+                score_step(v, v64, inv_ulp, mbits, (uint16_t)(h | 0x8000), lm, tol, b);
+        }
 }
 
 static const int STAGE1[] = {-8, 7, -7, 6, -6};
 static const int STAGE2[] = {5, 4, 3, 2, 1, -1, -2, -3, -4, -5};
 
 /* v: float32 [nblocks, 32] source values (bf16/f16/f32 widened); mantissa_bits: the source's.
- * Out: d fp16 bits [nblocks], levels int8 [nblocks, 32], exact int32 [nblocks], err float64 [nblocks]
+ * Out: d fp16 bits [nblocks], levels int8 [nblocks, 32], exact int32 [nblocks] (values equal to the source
+ * in float32), src int32 [nblocks] (equal after rounding to the source format), err float64 [nblocks]
  * (worst error in ulps), packed uint8 [nblocks, 18] (ggml block_q4_0: d, then byte j = q[j] | q[j+16] << 4
  * with q = level + 8), sq_err / sq_src float64 [nblocks]: sum of (d*level - v)^2 and of v^2. */
 typedef struct {
@@ -235,7 +331,7 @@ typedef struct {
     double tol;
     uint16_t *d_out;
     int8_t *lv_out;
-    int32_t *exact_out;
+    int32_t *exact_out, *src_out;
     double *err_out;
     uint8_t *packed;
     double *sq_err, *sq_src;
@@ -245,11 +341,11 @@ typedef struct {
 static void pack_task(void *ctx, int t) {
     const pack_job *j = (const pack_job *)ctx;
     const float *v = j->v;
-    const int mantissa_bits = j->mantissa_bits;
+    const int mbits = j->mantissa_bits;
     const double tol = j->tol;
     uint16_t *d_out = j->d_out;
     int8_t *lv_out = j->lv_out;
-    int32_t *exact_out = j->exact_out;
+    int32_t *exact_out = j->exact_out, *src_out = j->src_out;
     double *err_out = j->err_out, *sq_err = j->sq_err, *sq_src = j->sq_src;
     uint8_t *packed = j->packed;
     const int64_t end = (int64_t)(t + 1) * PACK_BLOCKS < j->nblocks ? (int64_t)(t + 1) * PACK_BLOCKS : j->nblocks;
@@ -267,31 +363,33 @@ static void pack_task(void *ctx, int t) {
             memcpy(&bits, &v64[i], 8);
             int64_t e = (int64_t)((bits >> 52) & 0x7ff) - 1023;
             e = e < -126 ? -126 : e;           /* also zero (biased exponent 0) */
-            uint64_t ib = (uint64_t)(mantissa_bits - e + 1023) << 52;
+            uint64_t ib = (uint64_t)(mbits - e + 1023) << 52;
             memcpy(&inv_ulp[i], &ib, 8);
         }
         best_t b;
         b.d = 0;
         memset(b.l, 0, QK);
         if (peak == 0.0) {
-            b.exact = QK;
+            b.src = b.f32 = QK;
             b.err = 0.0;
         } else {
-            b.exact = -1;
+            b.src = b.f32 = -1;
             b.err = INFINITY;
-            /* a candidate reproducing all 32 values bit-exactly (error 0) cannot be beaten */
-            for (int j = 0; j < 5 && b.exact < QK; j++) try_level(x, v64, inv_ulp, peak, STAGE1[j], tol, &b);
+            /* a candidate reproducing all 32 values bit-exactly in float32 (error 0) cannot be beaten */
+            for (int j = 0; j < 5 && b.f32 < QK; j++) try_level(x, v64, inv_ulp, mbits, peak, STAGE1[j], tol, &b);
             if (!(b.err <= tol))
-                for (int j = 0; j < 10 && b.exact < QK; j++) try_level(x, v64, inv_ulp, peak, STAGE2[j], tol, &b);
-            else if (b.exact < QK) { /* on the grid, not all bit-exact: an exact fit on the other levels? */
+                for (int j = 0; j < 10 && b.f32 < QK; j++) try_level(x, v64, inv_ulp, mbits, peak, STAGE2[j], tol, &b);
+            else if (b.f32 < QK) {  /* on the grid, not all bit-exact: an exact fit on the other levels? */
                 double m = amax;                  /* the smallest nonzero magnitude: an exact fit's |d| <= m, */
                 for (int i = 0; i < QK; i++)      /* so |k| * m >= amax (a skipped k could not fit: same choice) */
                     if (v64[i] != 0.0 && fabs(v64[i]) < m) m = fabs(v64[i]);
-                for (int j = 0; j < 10 && b.exact < QK; j++)
+                for (int j = 0; j < 10 && b.f32 < QK; j++)
                     if (fabs((double)STAGE2[j]) * m >= amax) exact_step(x, peak, STAGE2[j], &b);
             }
-            if (b.err <= tol && b.exact < QK) try_value_steps(x, v64, inv_ulp, tol, &b);
-            if (b.exact < 0) b.exact = 0;
+            if (b.err <= tol && b.f32 < QK) try_value_steps(x, v64, inv_ulp, mbits, tol, &b);
+            if (b.err <= tol && b.f32 < QK) try_window(x, v64, inv_ulp, mbits, tol, &b);
+            if (b.f32 < 0) b.f32 = 0;
+            if (b.src < 0) b.src = 0;
         }
         float dq = f16_to_f32(b.d);
         double se = 0.0, ss = 0.0;
@@ -308,14 +406,15 @@ static void pack_task(void *ctx, int t) {
             o[2 + j] = (uint8_t)((b.l[j] + 8) | ((b.l[j + 16] + 8) << 4));
         d_out[blk] = b.d;
         memcpy(lv_out + blk * QK, b.l, QK);
-        exact_out[blk] = b.exact;
+        exact_out[blk] = b.f32;
+        src_out[blk] = b.src;
         err_out[blk] = b.err;
     }
 }
 
 void gs_q4_0_exact(const float *v, int64_t nblocks, int mantissa_bits, double tol, uint16_t *d_out,
-                   int8_t *lv_out, int32_t *exact_out, double *err_out, uint8_t *packed, double *sq_err,
-                   double *sq_src, int nthreads) {
-    pack_job job = {v, nblocks, mantissa_bits, tol, d_out, lv_out, exact_out, err_out, packed, sq_err, sq_src};
+                   int8_t *lv_out, int32_t *exact_out, int32_t *src_out, double *err_out, uint8_t *packed,
+                   double *sq_err, double *sq_src, int nthreads) {
+    pack_job job = {v, nblocks, mantissa_bits, tol, d_out, lv_out, exact_out, src_out, err_out, packed, sq_err, sq_src};
     gs_parallel((int)((nblocks + PACK_BLOCKS - 1) / PACK_BLOCKS), nthreads, pack_task, &job);
 }

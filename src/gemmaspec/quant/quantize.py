@@ -89,6 +89,7 @@ def _pack_tensor(s: StreamingGGUF, name: str, t: StoredTensor, rep: TensorReport
         rep.blocks_on_grid += int(r.on_grid.sum())
         rep.values += rows.size
         rep.values_exact += int(r.exact.sum())
+        rep.values_exact_src += int(r.exact_src.sum())
         rep.exact.add(ErrorFigures(float(r.sq_err.sum()), float(r.sq_src.sum()), float(r.max_err_ulp.max())))
         sample = rows[(np.arange(r0, r1) % stride) == 0]
         if sample.size:

@@ -1,9 +1,10 @@
 """The evidence of ``gemmaspec quantize --exact``: per-tensor and total error figures, sizes, the table.
 
-Per tensor and in total: blocks on the grid, values reproduced bit-exactly, the worst error in units
-of the source's last place (ulp), the relative Frobenius error against the source, and the same
-errors for what llama.cpp's Q8_0 and a plain amax/8 Q4_0 would give, plus the file sizes of exact
-Q4_0, Q8_0 and the source. :func:`gemmaspec.quant.quantize.quantize_exact` fills it in.
+Per tensor and in total: blocks on the grid, values reproduced bit-exactly (after d·level is rounded
+to the source's type, and in float32 itself), the worst error in units of the source's last place
+(ulp), the relative Frobenius error against the source, and the same errors for what llama.cpp's Q8_0
+and a plain amax/8 Q4_0 would give (with how many times closer to the source exact Q4_0 is than Q8_0),
+plus the file sizes of exact Q4_0, Q8_0 and the source. :func:`gemmaspec.quant.quantize.quantize_exact` fills it in.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class ErrorFigures:
     def to_json(self) -> dict:
         return {"rel_err": self.rel_err, "max_err_ulp": self.max_err_ulp}
 
+    def closer_than(self, other: "ErrorFigures") -> float | None:
+        """How many times smaller this relative error is than ``other``'s (``other.rel_err / rel_err``);
+        None when this one is 0 (nothing to divide by)."""
+        return other.rel_err / self.rel_err if self.rel_err > 0 else None
+
     @classmethod
     def measure(cls, rows: np.ndarray, approx: np.ndarray, mantissa_bits: int) -> "ErrorFigures":
         """The error of ``approx`` (any float array of ``rows``' size) against the source ``rows``
@@ -65,7 +71,8 @@ class TensorReport:
     blocks: int = 0
     blocks_on_grid: int = 0
     values: int = 0
-    values_exact: int = 0
+    values_exact: int = 0  # d·level (float32) equal to the source value
+    values_exact_src: int = 0  # d·level rounded to the source type equal to it (what the search maximizes)
     exact: ErrorFigures = field(default_factory=ErrorFigures)
     q8_0: ErrorFigures = field(default_factory=ErrorFigures)
     q4_0_amax: ErrorFigures = field(default_factory=ErrorFigures)
@@ -78,6 +85,9 @@ class TensorReport:
         if self.blocks:
             d.update(best_grid_fit=self.exact.to_json(), q8_0=self.q8_0.to_json(), q4_0_amax=self.q4_0_amax.to_json())
             d["as_stored"] = self.exact.to_json() if self.type == "Q4_0" else self.stored.to_json()
+            q4 = self.type == "Q4_0"  # a fallback tensor is not stored as its grid fit
+            d["bit_exact_fraction"] = self.values_exact_src / self.values if q4 else None
+            d["closer_than_q8_0"] = (self.exact if q4 else self.stored).closer_than(self.q8_0)  # as stored
         return d
 
 
@@ -110,7 +120,7 @@ class QuantizeReport:
         for t in looked:
             if t.type != "Q4_0":
                 whole.add(t.stored)
-        q4_blocks = sum(t.blocks for t in packed)
+        q4_blocks, q4_values = sum(t.blocks for t in packed), sum(t.values for t in packed)
         return {
             "tensors": len(self.tensors),
             "tensors_q4_0": len(packed),
@@ -119,9 +129,14 @@ class QuantizeReport:
             "blocks_on_grid": sum(t.blocks_on_grid for t in looked),
             "values": sum(t.values for t in looked),
             "values_exact": sum(t.values_exact for t in looked),
+            "values_exact_src": sum(t.values_exact_src for t in looked),
+            # over the tensors written as exact Q4_0: values given back after rounding to the source type, in float32
+            "bit_exact_fraction_q4_0": sum(t.values_exact_src for t in packed) / q4_values if q4_values else None,
+            "bit_exact_fraction_q4_0_f32": sum(t.values_exact for t in packed) / q4_values if q4_values else None,
             "exact_q4_0": ex.to_json(),
             "q8_0": q8.to_json(),
             "q4_0_amax": q4.to_json(),
+            "closer_than_q8_0": ex.closer_than(q8),
             "whole_file_rel_err": whole.rel_err,
             # the same file with every exact-Q4_0 tensor in Q8_0 instead (34 instead of 18 bytes per block)
             "bytes": {"exact_q4_0": self.output_bytes, "q8_0": self.output_bytes + q4_blocks * (Q8_0_BYTES - Q4_0_BYTES),
@@ -139,29 +154,20 @@ class QuantizeReport:
         lines = []
         if per_tensor:
             lines.append(f"{'tensor':<44} {'type':<5} {'on grid':>15} {'bit-exact':>9} {'max ulp':>7} "
-                         f"{'rel err':>9} {'Q8_0':>9} {'amax Q4_0':>9}")
-            for t in self.tensors:
-                if not t.blocks:
-                    lines.append(f"{t.name[:44]:<44} {t.type:<5} {'(' + (t.note or 'kept') + ')':>15}")
-                    continue
-                if t.type == "Q4_0":
-                    lines.append(f"{t.name[:44]:<44} {t.type:<5} {t.blocks_on_grid:>7}/{t.blocks:<7} "
-                                 f"{t.values_exact / t.values:>9.1%} {t.exact.max_err_ulp:>7.2f} {t.exact.rel_err:>9.2e} "
-                                 f"{t.q8_0.rel_err:>9.2e} {t.q4_0_amax.rel_err:>9.2e}")
-                else:  # fallback: the error of what was stored, not of the rejected grid fit
-                    lines.append(f"{t.name[:44]:<44} {t.type:<5} {t.blocks_on_grid:>7}/{t.blocks:<7} "
-                                 f"{'-':>9} {t.stored.max_err_ulp:>7.2f} {t.stored.rel_err:>9.2e} "
-                                 f"{t.q8_0.rel_err:>9.2e} {t.q4_0_amax.rel_err:>9.2e}  (fallback: not on a grid)")
+                         f"{'rel err':>9} {'Q8_0':>9} {'vs Q8_0':>8} {'amax Q4_0':>9}")
+            lines.extend(_tensor_line(t) for t in self.tensors)
         s = self.totals()
         b = s["bytes"]
         if not s["blocks"]:
             lines.append("total: no BF16/F16/F32 weight to pack (every tensor was copied or kept as it was); "
                          "the input is not an unquantized checkpoint")
         else:
+            exact = (f"; the Q4_0 tensors give back {s['bit_exact_fraction_q4_0']:.1%} of their values bit-exactly in the "
+                     f"source's type ({s['bit_exact_fraction_q4_0_f32']:.1%} in float32), worst "
+                     f"{s['exact_q4_0']['max_err_ulp']:.2f} ulp") if s["tensors_q4_0"] else ""
             lines.append(
                 f"total: {s['tensors_q4_0']} tensors exact Q4_0, {s['tensors_fallback']} in the fallback ({self.fallback}); "
-                f"{s['blocks_on_grid']}/{s['blocks']} blocks on the grid, {s['values_exact'] / max(1, s['values']):.1%} "
-                f"of values bit-exact, worst {s['exact_q4_0']['max_err_ulp']:.2f} ulp in the Q4_0 tensors")
+                f"{s['blocks_on_grid']}/{s['blocks']} blocks on the grid{exact}")
         if s["tensors_q4_0"]:
             ex, q8, q4 = s["exact_q4_0"]["rel_err"], s["q8_0"]["rel_err"], s["q4_0_amax"]["rel_err"]
             ratio = f" ({q8 / ex:.1f}x closer than Q8_0)" if ex > 0 else (" (Q8_0 is not)" if q8 > 0 else "")
@@ -171,6 +177,21 @@ class QuantizeReport:
                      f"({1 - b['exact_q4_0'] / b['q8_0']:.0%} smaller), source {format_size(b['source'])}")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _tensor_line(t: TensorReport) -> str:
+    """One row of the per-tensor table: bit-exact is the share of values that d·level, rounded to the
+    source's type, gives back; vs Q8_0 how many times closer to the source than Q8_0 the tensor is."""
+    if not t.blocks:
+        return f"{t.name[:44]:<44} {t.type:<5} {'(' + (t.note or 'kept') + ')':>15}"
+    head = f"{t.name[:44]:<44} {t.type:<5} {t.blocks_on_grid:>7}/{t.blocks:<7} "
+    if t.type != "Q4_0":  # fallback: the error of what was stored, not of the rejected grid fit
+        return (head + f"{'-':>9} {t.stored.max_err_ulp:>7.2f} {t.stored.rel_err:>9.2e} {t.q8_0.rel_err:>9.2e} "
+                f"{'-':>8} {t.q4_0_amax.rel_err:>9.2e}  (fallback: not on a grid)")
+    ratio = t.exact.closer_than(t.q8_0)
+    closer = "exact" if ratio is None else f"{ratio:.1f}x"
+    return (head + f"{t.values_exact_src / t.values:>9.1%} {t.exact.max_err_ulp:>7.2f} {t.exact.rel_err:>9.2e} "
+            f"{t.q8_0.rel_err:>9.2e} {closer:>8} {t.q4_0_amax.rel_err:>9.2e}")
 
 
 def format_size(n: int) -> str:
