@@ -64,7 +64,7 @@ def run_quantize(src: Path, out: Path, threads: int) -> dict:
     report = out.with_suffix(".json")
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-m", "gemmaspec.cli", "quantize", "--exact", str(src), str(out), "--force",
+    res = subprocess.run([sys.executable, "-m", "gemmaspec", "quantize", "--exact", str(src), str(out), "--force",
                           "--report", str(report), "-t", str(threads)], capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if res.returncode != 0:

@@ -227,16 +227,17 @@ int gs_attention(const float *q, long ldq, int t, int h, int hkv, int d, const f
 
 /* out [n, f] = gelu_tanh(x[:, :f]) * x[:, f:2f] for x [n, ldx >= 2f]:
  * gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) (transformers' gelu_pytorch_tanh). */
+static inline float gs_gelu_tanh(const float a) {
+    const float z = 0.7978845608028654f * (a + 0.044715f * (a * a * a));
+    const float th = 1.f - 2.f / (1.f + gs_expf(2.f * z));
+    return 0.5f * a * (1.f + th);
+}
+
 void gs_gelu_mul(const float *x, long ldx, int n, int f, float *out) {
     for (int r = 0; r < n; r++) {
         const float *g = x + (long)r * ldx, *u = g + f;
         float *o = out + (long)r * f;
-        for (int i = 0; i < f; i++) {
-            const float a = g[i];
-            const float z = 0.7978845608028654f * (a + 0.044715f * (a * a * a));
-            const float th = 1.f - 2.f / (1.f + gs_expf(2.f * z));
-            o[i] = (0.5f * a * (1.f + th)) * u[i];
-        }
+        for (int i = 0; i < f; i++) o[i] = gs_gelu_tanh(g[i]) * u[i];
     }
 }
 
