@@ -181,3 +181,20 @@ def test_speculation_after_an_image_equals_plain(tiny):
         assert IMG not in spec
         if not isinstance(drafter, NgramDrafter):
             assert st.spec.drafted > 0  # the assistant drafted from the hidden state and KV after the image
+
+
+def test_generate_with_image_cli(tiny, tmp_path):
+    from conftest import run_cli
+
+    _, root = tiny
+    (tmp_path / "a.png").write_bytes(_png())
+    args = ["generate", "-m", str(root / "mm"), "-p", "w5 w6", "--image", str(tmp_path / "a.png"),
+            "--mmproj", str(root / "mm"), "--temp", "0", "-n", "10", "--ignore-eos"]
+    plain, spec = run_cli(*args, "--spec-type", "none"), run_cli(*args, "--spec-type", "ngram-simple")
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    assert plain.stdout == spec.stdout and "prompt 9 tokens" in plain.stderr  # BOS, BOI, 4 image tokens, EOI, w5, w6
+    no_proj = run_cli("generate", "-m", str(root / "mm"), "-p", "w5", "--image", str(tmp_path / "a.png"))
+    assert no_proj.returncode == 1 and "error: --image needs --mmproj" in no_proj.stderr
+    (tmp_path / "b.png").write_bytes(b"junk")
+    bad = run_cli(*args[:5], "--image", str(tmp_path / "b.png"), "--mmproj", str(root / "mm"))
+    assert bad.returncode == 1 and "not an image format" in bad.stderr and "Traceback" not in bad.stderr
