@@ -198,3 +198,67 @@ def test_generate_with_image_cli(tiny, tmp_path):
     (tmp_path / "b.png").write_bytes(b"junk")
     bad = run_cli(*args[:5], "--image", str(tmp_path / "b.png"), "--mmproj", str(root / "mm"))
     assert bad.returncode == 1 and "not an image format" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def vision_server(tiny, tmp_path_factory):
+    from conftest import ServerProcess
+
+    _, root = tiny
+    s = ServerProcess(tmp_path_factory.mktemp("vserve"), "-m", str(root / "mm"), "--mmproj", str(root / "mm"),
+                      "-np", "1", "-c", "256")
+    yield s
+    s.close()
+
+
+def _chat(server, parts, **extra):
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 8, "temperature": 0, **extra}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def _data_url(png):
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def test_server_image_parts(vision_server):
+    import httpx
+
+    assert httpx.get(vision_server.url + "/props").json()["modalities"]["vision"] is True
+    parts = [{"type": "image_url", "image_url": {"url": _data_url(_png())}}, {"type": "text", "text": "w5 w6"}]
+    first, again = _chat(vision_server, parts), _chat(vision_server, parts)
+    assert first.status_code == 200, first.text
+    a, b = first.json(), again.json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    n = a["usage"]["prompt_tokens"]
+    # the same image again: its KV is reused (all but the last prompt token)
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    other = _chat(vision_server, [{**parts[0], "image_url": {"url": _data_url(_png(color=(0, 90, 10)))}}, parts[1]])
+    assert other.status_code == 200
+    cached = other.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached < n - 1 - TOKENS_PER_IMAGE  # another image: reuse stops before it
+
+
+@pytest.mark.parametrize("part, why", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "remote image URLs are not fetched"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}, "base64 is malformed"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "not an image format"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "no audio input"),
+])
+def test_server_bad_image_parts(vision_server, part, why):
+    r = _chat(vision_server, [part, {"type": "text", "text": "w5"}])
+    assert r.status_code == 400 and why in r.text, r.text
+
+
+def test_convert_mmproj_cli(tiny, tmp_path):
+    from conftest import run_cli
+
+    _, root = tiny
+    r = run_cli("convert", str(root / "mm"), str(tmp_path / "mmproj.gguf"), "--mmproj")
+    assert r.returncode == 0 and "4 tokens per image" in r.stderr, r.stderr
+    assert load_vision(tmp_path / "mmproj.gguf").config.text_hidden_size == 64
+    again = run_cli("convert", str(root / "mm"), str(tmp_path / "mmproj.gguf"), "--mmproj")
+    assert again.returncode == 1 and "exists" in again.stderr

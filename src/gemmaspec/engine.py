@@ -24,6 +24,7 @@ import torch
 
 from .errors import InputError
 from .models.base import MAX_ROLLBACK, PREFILL_CHUNK
+from .multimodal import keyed
 from .request import RequestOptions
 from .sampling import Sampler, SamplingParams, ban_end_of_generation, filtered_probs
 from .speculative.adaptive import AdaptiveDraftLength
@@ -158,7 +159,8 @@ class RequestState:
             tokens lie and the embeddings that replace them); the target must accept ``images`` in its
             forward. Their placeholder ids are not text: drafters are told so (n-gram lookup skips
             them), a context shift is not done (the request stops at the context), and a prompt-cache
-            reuse stops before the first image.
+            reuse never ends inside an image (a caller compares :meth:`cache_keys`, which tell images
+            apart, to decide how much to reuse).
 
     The ``max_tokens`` limit is enforced here and only here (:meth:`_reaches_limit`): the token that
     reaches it ends the request with stop reason ``length`` (:meth:`_take`), and no round drafts past it.
@@ -230,7 +232,10 @@ class RequestState:
         """
         t0 = time.perf_counter()
         ids = self.tokens
-        reuse = max(0, min(reuse, len(ids) - 1, self.cache.length, *[im.start for im in self.images]))
+        reuse = max(0, min(reuse, len(ids) - 1, self.cache.length))
+        for im in self.images:  # an image runs whole in one forward, or not at all
+            if im.start < reuse < im.end:
+                reuse = im.start
         if reuse:
             try:
                 self.cache.rollback(reuse)
@@ -273,6 +278,12 @@ class RequestState:
         if self.stop.reason:
             self._finish(events)
         return events
+
+    def cache_keys(self) -> list:
+        """The tokens so far as prompt-cache keys: the ids, with each image's positions replaced by
+        numbers drawn from its pixels (:func:`gemmaspec.multimodal.keyed`), so a common prefix of
+        two requests' keys is KV they share."""
+        return keyed(self.tokens, self.images)
 
     def begin_round(self) -> RoundInput:
         """Ask the drafter for this round's drafts; returns what the target must run."""

@@ -48,48 +48,87 @@ def _spans(ids: list[int], image_id: int, n: int) -> list[int]:
     return starts
 
 
+MARK = "\ufdd3"
+"""Where an image goes in a chat message's text (a noncharacter: no one types it), replaced by the
+tower's image text once the template has rendered the messages."""
+
+
 def image_prompt(tokenizer, vision, prompt: str, images: list[Image], chat: bool = False,
                  system: str | None = None) -> tuple[list[int], list[ImageSpan]]:
     """Token ids of ``prompt`` with ``images`` in it, and where each image's embeddings go.
 
     Raw prompts: each image marker spelled in the prompt (``<start_of_image>``) takes the next image;
     without markers the images come first. Chat prompts (``chat``): one user turn (after an optional
-    system message) with the images first, the prompt as text.
+    system message) with the images first (:func:`chat_image_ids`).
 
     Raises:
-        InputError: marker count and image count differ, the tokenizer lacks the image tokens, or the
-            chat template changes the message so the images cannot be placed.
+        InputError: marker count and image count differ, the tokenizer lacks the image tokens, or
+            (chat) see :func:`chat_image_ids`.
     """
+    marker, _ = vision.placeholders()
+    if chat:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": MARK * len(images) + prompt}]
+        return chat_image_ids(tokenizer, vision, msgs, images)
+    _image_id(tokenizer, vision)
+    text = prompt if marker in prompt else marker * len(images) + prompt
+    if text.count(marker) != len(images):
+        raise InputError(f"the prompt has {text.count(marker)} image markers ({marker}) for {len(images)} images")
+    return _with_images(tokenizer, vision, tokenizer.encode(text.replace(marker, vision.image_text())), images)
+
+
+def chat_image_ids(tokenizer, vision, messages: list[dict], images: list[Image], **template) -> tuple[list, list]:
+    """A chat prompt whose message contents hold :data:`MARK` where each image goes: rendered with the
+    template (``template``: :meth:`~gemmaspec.tokenizer.GemmaTokenizer.encode_chat`'s options), each
+    mark replaced by the tower's image text (transformers' processor does the same to the template's
+    ``<start_of_image>``), then tokenized; ``(ids, spans)``.
+
+    Raises:
+        InputError: a message spells a control token (with images the contents cannot be kept apart
+            from the template's text), the template dropped or repeated a mark, or see
+            :func:`image_prompt`.
+    """
+    _image_id(tokenizer, vision)
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str) and tokenizer.special_ids.intersection(
+                tokenizer.encode(content.replace(MARK, ""), add_bos=False)):
+            raise InputError("a conversation with images cannot have messages that spell control tokens "
+                             "(such as <start_of_turn>); remove them")
+    text = tokenizer.apply_chat_template(messages, **template)
+    if text.count(MARK) != len(images):
+        raise InputError(f"the chat template wrote {text.count(MARK)} of the {len(images)} images")
+    return _with_images(tokenizer, vision, tokenizer.encode(text.replace(MARK, vision.image_text())), images)
+
+
+def _image_id(tokenizer, vision) -> int:
     marker, image_token = vision.placeholders()
     image_id = tokenizer.token_to_id(image_token)
     if image_id is None or tokenizer.token_to_id(marker) is None:
         raise InputError(f"the model's tokenizer has no {marker} / {image_token} tokens: it is not a vision model")
-    full = vision.image_text()
-    if not chat:
-        text = prompt if marker in prompt else marker * len(images) + prompt
-        if text.count(marker) != len(images):
-            raise InputError(f"the prompt has {text.count(marker)} image markers ({marker}) for {len(images)} images")
-        ids = tokenizer.encode(text.replace(marker, full))
-    else:
-        mark = "\ufdd3"
-        if mark in prompt or (system and mark in system):
-            raise InputError("the prompt contains U+FDD3 (a noncharacter); remove it")
-        msgs = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": mark * len(images) + prompt}]
-        pieces = tokenizer.apply_chat_template(msgs).split(mark)
-        text, rest = pieces[0] + "".join(pieces[1:-1]), pieces[-1]
-        core = prompt.strip()
-        if len(pieces) != len(images) + 1 or not rest.startswith(core):
-            raise InputError("this chat template changes the user's message, so images cannot be placed in it")
-        head = text + full * len(images)
-        ids = (tokenizer.encode(head[:-2] if head.endswith("\n\n") else head)
-               + tokenizer.encode_text("\n\n" + core if head.endswith("\n\n") else core, add_bos=False)
-               + tokenizer.encode(rest[len(core):], add_bos=False))
-    starts = _spans(ids, image_id, vision.tokens_per_image)
+    return image_id
+
+
+def _with_images(tokenizer, vision, ids: list[int], images: list[Image]):
+    starts = _spans(ids, _image_id(tokenizer, vision), vision.tokens_per_image)
     if len(starts) != len(images):
         raise InputError(f"the prompt holds {len(starts)} images' placeholders for {len(images)} images")
     emb = vision.encode(torch.stack([im.pixels for im in images])) if images else []
     return ids, [ImageSpan(s, emb[i], im.key) for i, (s, im) in enumerate(zip(starts, images))]
+
+
+def keyed(ids: list[int], images) -> list:
+    """``ids`` with each image's placeholder positions replaced by negative numbers drawn from its
+    pixels' hash and the position in the image: two prompts share a prefix in this form exactly when
+    they share the tokens and the images (what prompt-cache reuse compares)."""
+    if not images:
+        return list(ids)
+    out = list(ids)
+    for im in images:
+        base = int(im.key[:10], 16) << 16  # below 2**56: fits an int64 (a saved slot file)
+        for j in range(im.end - im.start):
+            out[im.start + j] = -1 - base - j
+    return out
 
 
 def non_text_ids(tokenizer, vision) -> frozenset[int]:
