@@ -262,3 +262,46 @@ def test_convert_mmproj_cli(tiny, tmp_path):
     assert load_vision(tmp_path / "mmproj.gguf").config.text_hidden_size == 64
     again = run_cli("convert", str(root / "mm"), str(tmp_path / "mmproj.gguf"), "--mmproj")
     assert again.returncode == 1 and "exists" in again.stderr
+
+
+def test_preprocessing_matches_transformers():
+    import numpy as np
+    from PIL import Image
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from gemmaspec.images import preprocess
+
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (150, 209, 3), dtype=np.uint8))
+    proc = Gemma3ImageProcessorPil(size={"height": 224, "width": 224}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    want = torch.as_tensor(np.asarray(proc(images=img, return_tensors="np")["pixel_values"][0]))
+    assert torch.equal(preprocess(img, 224, [0.5] * 3, [0.5] * 3), want)
+
+
+def test_chat_image_command(tiny, tmp_path):
+    from conftest import run_cli
+
+    _, root = tiny
+    (tmp_path / "a.png").write_bytes(_png())
+    lines = f"/image {tmp_path / 'a.png'}\nw5 w6\nw7\n/image {tmp_path / 'missing.png'}\n"
+    r = run_cli("chat", "-m", str(root / "mm"), "--mmproj", str(root / "mm"), "--temp", "0", "-n", "4",
+                "--spec-type", "none", stdin=lines)
+    assert r.returncode == 0, r.stderr
+    assert "goes with your next message" in r.stderr and "cannot read the image" in r.stderr
+    assert r.stderr.count("prompt ") == 2  # two replies
+    no_proj = run_cli("chat", "-m", str(root / "mm"), "-n", "2", stdin=f"/image {tmp_path / 'a.png'}\n")
+    assert no_proj.returncode == 0 and "start chat with --mmproj" in no_proj.stderr
+
+
+def test_prefill_never_splits_an_image(tiny):
+    from gemmaspec.models.base import PREFILL_CHUNK
+
+    _, root = tiny
+    loaded, vision = load_checkpoint(root / "mm"), load_vision(root / "mm")
+    engine = Engine(loaded.model, loaded.tokenizer, ctx_size=512)
+    prompt = "w5 " * (PREFILL_CHUNK - 3) + "<start_of_image> w6 w7"  # the image straddles the first chunk's end
+    ids, spans = image_prompt(loaded.tokenizer, vision.model, prompt, [prepare(_png(), vision.config)])
+    assert spans[0].start < PREFILL_CHUNK < spans[0].end
+    got = engine._prefill(ids, loaded.model.new_cache(512), images=[(s.start, s.embeddings) for s in spans])
+    want = loaded.model.forward(torch.tensor(ids), loaded.model.new_cache(512),
+                                images=[(s.start, s.embeddings) for s in spans])
+    assert _rel(got.logits, want.logits) < 1e-5

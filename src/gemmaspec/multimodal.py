@@ -77,28 +77,31 @@ def image_prompt(tokenizer, vision, prompt: str, images: list[Image], chat: bool
     return _with_images(tokenizer, vision, tokenizer.encode(text.replace(marker, vision.image_text())), images)
 
 
-def chat_image_ids(tokenizer, vision, messages: list[dict], images: list[Image], **template) -> tuple[list, list]:
+def chat_image_ids(tokenizer, vision, messages: list[dict], images: list[Image], encoded: dict | None = None,
+                   **template) -> tuple[list, list]:
     """A chat prompt whose message contents hold :data:`MARK` where each image goes: rendered with the
     template (``template``: :meth:`~gemmaspec.tokenizer.GemmaTokenizer.encode_chat`'s options), each
     mark replaced by the tower's image text (transformers' processor does the same to the template's
-    ``<start_of_image>``), then tokenized; ``(ids, spans)``.
+    ``<start_of_image>``), then tokenized; ``(ids, spans)``. ``encoded``: an image key → embeddings
+    cache kept by the caller (a conversation re-renders its images every turn), filled here.
 
     Raises:
-        InputError: a message spells a control token (with images the contents cannot be kept apart
-            from the template's text), the template dropped or repeated a mark, or see
+        InputError: a user or system message spells a control token (with images the contents cannot
+            be kept apart from the template's text; an assistant's spelled control tokens are taken as
+            those tokens), the template dropped or repeated a mark, or see
             :func:`image_prompt`.
     """
     _image_id(tokenizer, vision)
-    for m in messages:
+    for m in messages:  # an assistant's reply is the model's own tokens: its control tokens stay so
         content = m.get("content")
-        if isinstance(content, str) and tokenizer.special_ids.intersection(
+        if m.get("role") != "assistant" and isinstance(content, str) and tokenizer.special_ids.intersection(
                 tokenizer.encode(content.replace(MARK, ""), add_bos=False)):
             raise InputError("a conversation with images cannot have messages that spell control tokens "
                              "(such as <start_of_turn>); remove them")
     text = tokenizer.apply_chat_template(messages, **template)
     if text.count(MARK) != len(images):
         raise InputError(f"the chat template wrote {text.count(MARK)} of the {len(images)} images")
-    return _with_images(tokenizer, vision, tokenizer.encode(text.replace(MARK, vision.image_text())), images)
+    return _with_images(tokenizer, vision, tokenizer.encode(text.replace(MARK, vision.image_text())), images, encoded)
 
 
 def _image_id(tokenizer, vision) -> int:
@@ -109,12 +112,15 @@ def _image_id(tokenizer, vision) -> int:
     return image_id
 
 
-def _with_images(tokenizer, vision, ids: list[int], images: list[Image]):
+def _with_images(tokenizer, vision, ids: list[int], images: list[Image], encoded: dict | None = None):
     starts = _spans(ids, _image_id(tokenizer, vision), vision.tokens_per_image)
     if len(starts) != len(images):
         raise InputError(f"the prompt holds {len(starts)} images' placeholders for {len(images)} images")
-    emb = vision.encode(torch.stack([im.pixels for im in images])) if images else []
-    return ids, [ImageSpan(s, emb[i], im.key) for i, (s, im) in enumerate(zip(starts, images))]
+    cache = {} if encoded is None else encoded
+    new = [im for im in {im.key: im for im in images}.values() if im.key not in cache]
+    if new:
+        cache.update(zip((im.key for im in new), vision.encode(torch.stack([im.pixels for im in new]))))
+    return ids, [ImageSpan(s, cache[im.key], im.key) for s, im in zip(starts, images)]
 
 
 def keyed(ids: list[int], images) -> list:

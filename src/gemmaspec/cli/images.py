@@ -32,19 +32,86 @@ def image_prompt_ids(args, engine, prompt: str):
     if not args.mmproj:
         raise InputError("--image needs --mmproj FILE: the vision projector released with the model "
                          "(mmproj-*.gguf, or the multimodal checkpoint directory)")
-    from ..images import prepare
-    from ..loading.vision import check_pair, load_vision
     from ..multimodal import image_prompt
+
+    vision = load_projector(args.mmproj, engine)
+    images = [read_image(f, vision) for f in args.image]
+    return image_prompt(engine.tokenizer, vision.model, prompt, images, chat=args.chat, system=args.system_prompt)
+
+
+def load_projector(path, engine):
+    """The vision tower of ``--mmproj``, checked against the engine's model.
+
+    Raises:
+        InputError: a model that takes no images, or a projector of another width.
+        ModelFileError: an unreadable projector.
+    """
+    from ..loading.vision import check_pair, load_vision
 
     if "images" not in inspect.signature(engine.model.forward).parameters:
         raise InputError("this model does not take images (only Gemma 3 targets do so far)")
-    vision = load_vision(args.mmproj, device=getattr(engine.model, "device", "cpu"))
+    vision = load_vision(path, device=getattr(engine.model, "device", "cpu"))
     check_pair(vision, engine.model.config)
-    images = []
-    for f in args.image:
+    return vision
+
+
+def read_image(path: str, vision):
+    """An image file prepared for ``vision``. Raises InputError: unreadable or bad image."""
+    from ..images import prepare
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read the image {path}: {exc.strerror or exc}") from None
+    return prepare(data, vision.config, where=path)
+
+
+class ChatImages:
+    """Images in ``gemmaspec chat``: ``/image FILE`` attaches an image to the next message; each turn's
+    prompt is rendered with every image still in the conversation (their embeddings computed once)."""
+
+    def __init__(self, engine, vision, err):
+        self.engine, self.vision, self.err = engine, vision, err
+        self.pending: list = []
+        self.encoded: dict = {}
+
+    def command(self, text: str) -> bool:
+        """Handle ``/image FILE`` (True), or say it is not one (False). Errors are one line on stderr."""
+        word, _, rest = text.strip().partition(" ")
+        if word != "/image":
+            return False
+        if self.vision is None:
+            print("error: /image needs the model's vision projector: start chat with --mmproj FILE", file=self.err)
+        elif not rest.strip():
+            print("error: /image FILE: give the image's path", file=self.err)
+        else:
+            try:
+                self.pending.append(read_image(rest.strip(), self.vision))
+                print(f"({rest.strip()} goes with your next message)", file=self.err)
+            except InputError as exc:
+                print(f"error: {exc}", file=self.err)
+        return True
+
+    def message(self, text: str) -> dict:
+        """The user message for ``text``, with the pending images first."""
+        from ..multimodal import MARK
+
+        msg = {"role": "user", "content": MARK * len(self.pending) + text}
+        if self.pending:
+            msg["_images"], self.pending = self.pending, []
+        return msg
+
+    def encode(self, head: list, turns: list):
+        """``(ids, image spans)`` of the conversation, or ``(None, None)`` when its images cannot be
+        placed (said on stderr)."""
+        images = [im for t in turns for im in t.get("_images", ())]
+        if not images:
+            return self.engine.tokenizer.encode_chat(head + turns), []
+        from ..multimodal import chat_image_ids
+
+        msgs = [{"role": m["role"], "content": m["content"]} for m in head + turns]
         try:
-            data = Path(f).read_bytes()
-        except OSError as exc:
-            raise InputError(f"cannot read the image {f}: {exc.strerror or exc}") from None
-        images.append(prepare(data, vision.config, where=f))
-    return image_prompt(engine.tokenizer, vision.model, prompt, images, chat=args.chat, system=args.system_prompt)
+            return chat_image_ids(self.engine.tokenizer, self.vision.model, msgs, images, encoded=self.encoded)
+        except InputError as exc:
+            print(f"error: {exc}", file=self.err)
+            return None, None

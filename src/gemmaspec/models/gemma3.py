@@ -300,7 +300,8 @@ def _open_images(plan: ReadPlan, start: int, t: int, images, window: int | None,
     """``plan`` with each image's rows allowed to see each other's keys (bidirectional within an
     image, still within ``window``). The new keys' columns: ``start + r`` (prefix), the last ``t``
     (gather), ``(start + r) % ring rows`` (ring)."""
-    rows = torch.arange(t)
+    dev = cache.device
+    rows = torch.arange(t, device=dev)
     if plan.mode == "prefix":
         cols, width = start + rows, plan.end
     elif plan.mode == "gather":
@@ -309,12 +310,13 @@ def _open_images(plan: ReadPlan, start: int, t: int, images, window: int | None,
     else:
         width = plan.mask.shape[1]
         cols = (start + rows) % cache.ring_rows
-    mask = plan.mask.clone() if plan.mask is not None else torch.tril(torch.ones(t, width, dtype=torch.bool), start)
+    mask = (plan.mask.clone() if plan.mask is not None
+            else torch.tril(torch.ones(t, width, dtype=torch.bool, device=dev), start))
     for row, emb in images:
-        r = torch.arange(row, row + emb.shape[0])
-        ok = torch.ones(len(r), len(r), dtype=torch.bool)
+        r = torch.arange(row, row + emb.shape[0], device=dev)
+        ok = torch.ones(len(r), len(r), dtype=torch.bool, device=dev)
         if window is not None:
             ok = (r[:, None] - r[None, :]) < window
-        sub = mask[r[:, None], cols[r][None, :]] | ok
-        mask[r[:, None], cols[r][None, :]] = sub
-    return ReadPlan(plan.mode, plan.end, plan.old_idx, mask.to(plan.mask.device if plan.mask is not None else "cpu"))
+        at = (r[:, None], cols[r][None, :])
+        mask[at] = mask[at] | ok
+    return ReadPlan(plan.mode, plan.end, plan.old_idx, mask)
