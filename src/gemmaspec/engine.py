@@ -24,6 +24,7 @@ import torch
 
 from .errors import InputError
 from .models.base import MAX_ROLLBACK, PREFILL_CHUNK
+from .multimodal import keyed
 from .request import RequestOptions
 from .sampling import Sampler, SamplingParams, ban_end_of_generation, filtered_probs
 from .speculative.adaptive import AdaptiveDraftLength
@@ -177,6 +178,12 @@ class RequestState:
         drafter: who proposes draft tokens (None: plain decoding); reset here.
         stats: filled in as the request runs.
         cache: the KV cache to run in (emptied by :meth:`prefill`); None builds a new one.
+        images: the prompt's images (:class:`~gemmaspec.multimodal.ImageSpan`: where their placeholder
+            tokens lie and the embeddings that replace them); the target must accept ``images`` in its
+            forward. Their placeholder ids are not text: drafters are told so (n-gram lookup skips
+            them), a context shift is not done (the request stops at the context), and a prompt-cache
+            reuse never ends inside an image (a caller compares :meth:`cache_keys`, which tell images
+            apart, to decide how much to reuse).
 
     The ``max_tokens`` limit is enforced here and only here (:meth:`_reaches_limit`): the token that
     reaches it ends the request with stop reason ``length`` (:meth:`_take`), and no round drafts past it.
@@ -187,8 +194,13 @@ class RequestState:
     """
 
     def __init__(self, engine: "Engine", prompt_ids: list[int], options: RequestOptions,
-                 drafter: Drafter | None = None, stats: RequestStats | None = None, cache=None):
+                 drafter: Drafter | None = None, stats: RequestStats | None = None, cache=None, images=()):
         options.validate(engine.max_rollback)
+        self.images = list(images)
+        self.non_text = frozenset(prompt_ids[im.start] for im in self.images)
+        if self.images and options.context_shift and len(prompt_ids) >= engine.ctx_size:
+            raise InputError(f"the prompt with its images is {len(prompt_ids)} tokens, the context is "
+                             f"{engine.ctx_size} (-c); a prompt with images is not cut: raise -c")
         self.options = options
         bos = engine.tokenizer.bos_id
         lead = 1 if prompt_ids and prompt_ids[0] == bos else 0
@@ -244,6 +256,9 @@ class RequestState:
         t0 = time.perf_counter()
         ids = self.tokens
         reuse = max(0, min(reuse, len(ids) - 1, self.cache.length))
+        for im in self.images:  # an image runs whole in one forward, or not at all
+            if im.start < reuse < im.end:
+                reuse = im.start
         if reuse:
             try:
                 self.cache.rollback(reuse)
@@ -257,7 +272,8 @@ class RequestState:
             total = len(ids)
             progress(total, reuse, reuse, 0.0)
             report = lambda n: progress(total, reuse, reuse + n, (time.perf_counter() - t0) * 1e3)  # noqa: E731
-        out = self.engine._prefill(ids[reuse:], self.cache, cancelled, report)
+        spans = [(im.start - reuse, im.embeddings) for im in self.images]
+        out = self.engine._prefill(ids[reuse:], self.cache, cancelled, report, images=spans)
         if out is None:
             self.cancel()
             return []
@@ -286,6 +302,12 @@ class RequestState:
             self._finish(events)
         return events
 
+    def cache_keys(self) -> list:
+        """The tokens so far as prompt-cache keys: the ids, with each image's positions replaced by
+        numbers drawn from its pixels (:func:`gemmaspec.multimodal.keyed`), so a common prefix of
+        two requests' keys is KV they share."""
+        return keyed(self.tokens, self.images)
+
     def begin_round(self) -> RoundInput:
         """Ask the drafter for this round's drafts; returns what the target must run."""
         if self.done or self._round is not None:
@@ -298,7 +320,7 @@ class RequestState:
         remaining = room if left is None else left
         t_round = time.perf_counter()
         k = max(0, min(self.controller.choose() if self.controller else self.options.n_max, room - 1, remaining - 1))
-        draft = self.drafter.propose(DraftContext(self.tokens, self.hidden), k) if k > 0 else None
+        draft = self.drafter.propose(DraftContext(self.tokens, self.hidden, self.non_text), k) if k > 0 else None
         t_drafted = time.perf_counter()
         drafts = list(draft.tokens[:k]) if draft else []
         if self.constraint is not None and drafts:  # a draft token the grammar forbids ends the draft
@@ -411,6 +433,8 @@ class RequestState:
     def _shift_context(self) -> bool:
         """Drop ``n_discard`` tokens after the first ``n_keep`` and rebuild the cache from the tokens kept;
         False when nothing can be dropped (then the request stops at the context)."""
+        if self.images:  # the cache is rebuilt from tokens, which cannot bring an image back
+            return False
         cached = len(self.tokens) - 1  # the pending token is not in the cache
         keep = min(self.n_keep, cached - 1)
         discard = self.n_discard or (cached - keep) // 2
@@ -521,23 +545,32 @@ class Engine:
             self._forward_costs = costs
         return self._forward_costs
 
-    def _prefill(self, ids: list[int], cache=None, cancelled=None, progress=None):
+    def _prefill(self, ids: list[int], cache=None, cancelled=None, progress=None, images=()):
         """Run ``ids`` at positions cache.length.. in chunks of ``PREFILL_CHUNK`` (default cache: the
         engine's); returns the last chunk's :class:`~gemmaspec.models.base.ForwardOutput`, or None when
         ``cancelled()`` (checked before each chunk) said stop. ``progress(n)``, if given, is called
-        after each chunk with the number of ``ids`` run so far."""
+        after each chunk with the number of ``ids`` run so far. ``images``: ``[(index into ids,
+        embeddings [n, hidden])]``: no chunk splits an image (a chunk ends before one that would not
+        fit, or runs it whole), and each goes to the forward as its ``images``."""
         cache = self.cache if cache is None else cache
-        out = None
-        for i in range(0, len(ids), PREFILL_CHUNK):
+        out, i = None, 0
+        while i < len(ids):
             if cancelled is not None and cancelled():
                 return None
-            out = self.model.forward(torch.tensor(ids[i:i + PREFILL_CHUNK]), cache)
+            end = min(i + PREFILL_CHUNK, len(ids))
+            for a, emb in images:
+                if a < end < a + emb.shape[0]:
+                    end = a if a > i else a + emb.shape[0]
+            inside = [(a - i, emb) for a, emb in images if i <= a < end]
+            kw = {"images": inside} if inside else {}
+            out = self.model.forward(torch.tensor(ids[i:end]), cache, **kw)
+            i = end
             if progress is not None:
-                progress(min(i + PREFILL_CHUNK, len(ids)))
+                progress(i)
         return out
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | RequestOptions, drafter: Drafter | None = None,
-                 *, stats: RequestStats | None = None, **options) -> Iterator[Event]:
+                 *, stats: RequestStats | None = None, images=(), **options) -> Iterator[Event]:
         """Generate from ``prompt_ids`` in this engine's cache, yielding text as it is produced (one
         event per round, then any text held back to the end).
 
@@ -548,6 +581,7 @@ class Engine:
             drafter: who proposes draft tokens (None: plain decoding). With ``p_min`` set, its
                 ``p_min`` (if it has one) is that value for this call and restored after.
             stats: filled in as the request runs (counts, timings, acceptance).
+            images: the prompt's :class:`~gemmaspec.multimodal.ImageSpan` list (see :class:`RequestState`).
             **options: fields of :class:`~gemmaspec.request.RequestOptions` (``n_max``, ``n_min``,
                 ``constraint``, ``context_shift``, ...), set on (or replaced in) ``params``.
 
@@ -560,7 +594,7 @@ class Engine:
         if own_p_min is not None:
             drafter.p_min = opts.p_min
         try:
-            state = RequestState(self, prompt_ids, opts, drafter, stats, cache=self.cache)
+            state = RequestState(self, prompt_ids, opts, drafter, stats, cache=self.cache, images=images)
             yield from _merged(state.prefill())
             while not state.done:
                 rnd = state.begin_round()

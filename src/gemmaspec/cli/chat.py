@@ -8,7 +8,8 @@ no longer fits the context, the oldest turns are dropped (said on stderr).
 
 Input: one line per turn; a line ending in ``\\`` continues on the next. ``/exit`` or end of input
 (Ctrl-D) leaves; Ctrl-C stops the reply being written (what was written stays in the conversation),
-and at the prompt leaves.
+and at the prompt leaves. With ``--mmproj``, ``/image FILE`` (llama-mtmd-cli's) attaches an image to
+the next message (:mod:`.images`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TextIO
 
 from ..report import stats_line
 from .args import add_common, add_sampling, add_spec, sampling_params
+from .images import ChatImages
 
 EXIT_WORDS = ("/exit", "/quit")
 
@@ -46,7 +48,7 @@ def _read_turn(inp: TextIO, interactive: bool) -> str | None:
 
 
 def run_chat(engine, drafter, params, n_max=0, n_min: int = 0, system: str | None = None, spec: bool = False,
-             inp: TextIO | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+             inp: TextIO | None = None, out: TextIO | None = None, err: TextIO | None = None, vision=None) -> int:
     """Hold a conversation until ``/exit`` or end of input. Returns the exit status (0).
 
     Args:
@@ -58,6 +60,7 @@ def run_chat(engine, drafter, params, n_max=0, n_min: int = 0, system: str | Non
         spec: print the acceptance line after each reply.
         inp, out, err: streams (default stdin, stdout, stderr); a terminal on ``inp`` gets a ``> ``
             prompt and line editing.
+        vision: the loaded vision tower (``--mmproj``), or None: ``/image FILE`` is then refused.
 
     Raises:
         GemmaspecError: a turn that fails in a way that is not about its own length (bad template).
@@ -75,6 +78,7 @@ def run_chat(engine, drafter, params, n_max=0, n_min: int = 0, system: str | Non
               file=err)
     head = [{"role": "system", "content": system}] if system else []
     turns: list[dict] = []  # user/assistant messages, oldest first
+    chat_images = ChatImages(engine, vision, err)
     while True:
         try:
             text = _read_turn(inp, interactive)
@@ -83,15 +87,18 @@ def run_chat(engine, drafter, params, n_max=0, n_min: int = 0, system: str | Non
             return 0
         if text is None or text.strip() in EXIT_WORDS:
             return 0
-        if not text.strip():
+        if not text.strip() or chat_images.command(text):
             continue
-        turns.append({"role": "user", "content": text})
-        ids = engine.tokenizer.encode_chat(head + turns)
+        turns.append(chat_images.message(text))
+        ids, spans = chat_images.encode(head, turns)
         dropped = 0
-        while len(ids) >= engine.ctx_size and len(turns) > 1:
+        while ids is not None and len(ids) >= engine.ctx_size and len(turns) > 1:
             del turns[:2]  # the oldest user turn and its reply
             dropped += 1
-            ids = engine.tokenizer.encode_chat(head + turns)
+            ids, spans = chat_images.encode(head, turns)
+        if ids is None:  # an image or a template that cannot take it: said on stderr
+            turns.pop()
+            continue
         if dropped:
             print(f"(context of {engine.ctx_size} tokens full: dropped the {dropped} oldest exchange"
                   f"{'s' if dropped > 1 else ''})", file=err)
@@ -103,7 +110,8 @@ def run_chat(engine, drafter, params, n_max=0, n_min: int = 0, system: str | Non
         stats = RequestStats()
         reply = []
         try:
-            for ev in engine.generate(ids, params, drafter=drafter, n_max=n_max, n_min=n_min, stats=stats):
+            for ev in engine.generate(ids, params, drafter=drafter, n_max=n_max, n_min=n_min, stats=stats,
+                                      images=spans):
                 reply.append(ev.text)
                 out.write(ev.text)
                 out.flush()
@@ -131,6 +139,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_sampling(c, 512, "most tokens per reply (-1: until the end of the turn or the context; default 512)")
     c.add_argument("-sys", "--system-prompt", default=None, help="system message at the head of the conversation")
     c.add_argument("-cnv", "--conversation", action="store_true", help=argparse.SUPPRESS)  # what chat is anyway
+    c.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="the model's vision projector (mmproj GGUF or multimodal checkpoint directory): then "
+                        "'/image FILE' attaches an image to the next message")
     add_verbose(c)
     add_spec(c)
     return c
@@ -144,5 +155,8 @@ def run(args) -> int:
     engine, drafter, plan, _, memory_line = load(args)
     announce(args, plan, memory_line)
     note_if_base(engine)
+    from .images import load_projector
+
+    vision = load_projector(args.mmproj, engine) if args.mmproj else None
     return run_chat(engine, drafter, params, n_max=plan.spec.n_max, n_min=plan.spec.n_min, system=args.system_prompt,
-                    spec=plan.spec_type != "none")
+                    spec=plan.spec_type != "none", vision=vision)

@@ -16,6 +16,9 @@ def add_parsers(sub) -> None:
     cv.add_argument("--outtype", default="bf16", choices=["f32", "f16", "bf16", "q8_0"],
                     help="type of the 2-D weights (norms and scales stay f32; default bf16)")
     cv.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    cv.add_argument("--mmproj", action="store_true",
+                    help="write the checkpoint's vision tower as an mmproj GGUF instead (Gemma 3; llama.cpp's "
+                         "convert_hf_to_gguf.py --mmproj): F16 matrices, or F32 with --outtype f32")
 
     q = sub.add_parser("quantize", help="pack a QAT checkpoint as exact Q4_0 GGUF (no re-rounding), with a report",
                        allow_abbrev=False)
@@ -44,6 +47,14 @@ def run_convert(args) -> int:
     from ..loading.convert import convert
 
     t0 = time.perf_counter()
+    if args.mmproj:
+        from ..loading.vision import load_vision, write_mmproj
+
+        write_mmproj(args.hf_dir, args.out, force=args.force, outtype="f32" if args.outtype == "f32" else "f16")
+        v = load_vision(args.out)
+        print(f"wrote {args.out}: mmproj ({v.arch.name} projector), {v.config.num_layers} encoder layers, "
+              f"{v.config.tokens_per_image} tokens per image, in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        return 0
     info = convert(args.hf_dir, args.out, args.outtype, force=args.force)
     types = ", ".join(f"{n} {k}" for k, n in sorted(info["types"].items()))
     print(f"wrote {args.out}: arch {info['arch']}, {info['tensors']} tensors ({types}), "

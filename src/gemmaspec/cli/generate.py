@@ -18,6 +18,7 @@ import time
 from ..errors import InputError
 from .args import (add_common, add_sampling, add_spec, memory_estimate, refuse, sampling_params,
                    spec_plan)
+from .images import add_image_flags, image_prompt_ids
 
 CHAT_HINT = "gemmaspec generate answers one prompt; for a conversation use `gemmaspec chat`"
 
@@ -41,6 +42,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--compare", action="store_true",
                    help="decode the prompt plainly, then with speculation (one seed): both speeds, the speedup, "
                         "and whether the two texts are identical (they must be; exit status 1 if not)")
+    add_image_flags(g)
     add_verbose(g)
     refuse(g, LLAMA_FLAGS_REFUSED_GENERATE)
     add_spec(g)
@@ -128,7 +130,8 @@ def run(args) -> int:
 
         compare.check(args)
     engine, drafter, plan, load_s, memory_line = load(args)
-    ids = engine.encode_prompt(prompt, chat=args.chat, system=args.system_prompt)
+    with_images = image_prompt_ids(args, engine, prompt)
+    ids, spans = with_images or (engine.encode_prompt(prompt, chat=args.chat, system=args.system_prompt), [])
     if not args.context_shift:
         engine.check_prompt(ids)
     announce(args, plan, memory_line)
@@ -140,7 +143,7 @@ def run(args) -> int:
     out = sys.stdout
     n_max = plan.spec.n_max
     for ev in engine.generate(ids, params, drafter=drafter, stats=stats, n_max=n_max, n_min=plan.spec.n_min,
-                              context_shift=args.context_shift, n_keep=args.keep):
+                              context_shift=args.context_shift, n_keep=args.keep, images=spans):
         out.write(ev.text)
         out.flush()
     out.write("\n")

@@ -41,6 +41,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
                    help="chat template instead of the model's: a name (" + ", ".join(TEMPLATES) + ") or Jinja text")
     s.add_argument("--chat-template-file", default=None, metavar="FILE", help="chat template (Jinja) from a file")
+    s.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="the model's vision projector (an mmproj GGUF, or the multimodal checkpoint directory; "
+                        "Gemma 3): chat requests may then carry image_url parts with data URLs")
     s.add_argument("--slots", dest="slots_endpoint", action="store_true", default=True,
                    help="answer GET /slots (the default)")
     s.add_argument("--no-slots", dest="slots_endpoint", action="store_false", help="GET /slots answers 501")
@@ -215,7 +218,8 @@ def serve(args) -> int:
                       defaults=defaults, n_predict=args.n_predict, allowed_hosts=hosts,
                       cors_origins=tuple(normalize_origin(o) for o in split(args.cors_origin)), slot_save_path=slot_dir, verbose=args.verbose,
                       slots_endpoint=args.slots_endpoint, metrics_endpoint=args.metrics, ui=args.ui, tags=split([args.tags or ""]),
-                      chat_template=chat_template_of(args), context_shift=args.context_shift, n_keep=args.keep)
+                      chat_template=chat_template_of(args), context_shift=args.context_shift, n_keep=args.keep,
+                      mmproj=args.mmproj)
     setup_logging(timestamps=True)
     socks: list[socket.socket] = []
     port = args.port

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .config import Gemma3Config
 from .decode_step import run_layers
 from ..kernels import SMALL_M, BlockWeight, StackedWeight
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, ReadPlan
 from .base import (ForwardOutput, add_rms_norm, apply_rope, attention, gelu_mul, linear, norm_rope, rms_norm,
                    rope_cos_sin, rope_span, step_threads)
 
@@ -153,8 +153,15 @@ class Gemma3Model:
         return e * self.embed_scale
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool = False) -> ForwardOutput:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool = False,
+                images: list | None = None) -> ForwardOutput:
         """Run ``tokens`` int64 [T] at positions cache.length.., append them to ``cache``.
+
+        ``images``: ``[(row, embeddings float32 [n, hidden])]``: rows ``row .. row + n - 1`` of this
+        forward take those embeddings instead of their tokens' (unscaled, as transformers'
+        ``masked_scatter``), and attend to each other in both directions (transformers'
+        ``token_type_ids`` block mask; within the sliding window on sliding layers). Each image must lie
+        wholly in one forward.
 
         Returns:
             :class:`ForwardOutput`: logits float32 [1 or T, vocab]; hidden float32 [T, hidden]
@@ -164,7 +171,7 @@ class Gemma3Model:
             ValueError: the tokens would run past the cache's capacity.
         """
         with step_threads(tokens.shape[0]):
-            return self._run([(tokens, cache)], [all_logits], split_rows=False)[0]
+            return self._run([(tokens, cache)], [all_logits], split_rows=False, images=images or None)[0]
 
     @torch.inference_mode()
     def forward_batch(self, seqs, all_logits=False) -> list[ForwardOutput]:
@@ -194,7 +201,7 @@ class Gemma3Model:
         with step_threads(sum(tok.shape[0] for tok, _ in seqs)):
             return self._run(seqs, flags, split_rows=True) if seqs else []
 
-    def _run(self, seqs, flags, split_rows: bool) -> list[ForwardOutput]:
+    def _run(self, seqs, flags, split_rows: bool, images=None) -> list[ForwardOutput]:
         c = self.config
         starts, bounds = [], [0]
         for tokens, cache in seqs:
@@ -223,7 +230,14 @@ class Gemma3Model:
         x = self.embed_tokens(tokens)
         plans = [{True: cache.plan(s, tok.shape[0], c.sliding_window), False: cache.plan(s, tok.shape[0], None)}
                  for s, (tok, cache) in zip(starts, seqs)]
-        fast = run_layers(self, x, seqs[0][1], starts[0], plans[0], rope) if single else None
+        if images:
+            x = x.clone()
+            for row, emb in images:
+                x[row:row + emb.shape[0]] = emb.to(x.dtype)
+            cache0, t0 = seqs[0][1], n
+            plans = [{kind: _open_images(plan, starts[0], t0, images, c.sliding_window if kind else None, cache0)
+                      for kind, plan in plans[0].items()}]
+        fast = run_layers(self, x, seqs[0][1], starts[0], plans[0], rope) if single and not images else None
         for li, layer in enumerate(self.layers if fast is None else []):
             h = rms_norm(x, layer.attn_norm, eps)
             cos, sin = rope[layer.sliding]
@@ -280,3 +294,29 @@ def _linear_rows(w, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(w, BlockWeight) or x.shape[0] <= SMALL_M:
         return linear(w, x)
     return torch.cat([linear(w, x[i:i + SMALL_M]) for i in range(0, x.shape[0], SMALL_M)])
+
+
+def _open_images(plan: ReadPlan, start: int, t: int, images, window: int | None, cache) -> ReadPlan:
+    """``plan`` with each image's rows allowed to see each other's keys (bidirectional within an
+    image, still within ``window``). The new keys' columns: ``start + r`` (prefix), the last ``t``
+    (gather), ``(start + r) % ring rows`` (ring)."""
+    dev = cache.device
+    rows = torch.arange(t, device=dev)
+    if plan.mode == "prefix":
+        cols, width = start + rows, plan.end
+    elif plan.mode == "gather":
+        width = plan.mask.shape[1]
+        cols = width - t + rows
+    else:
+        width = plan.mask.shape[1]
+        cols = (start + rows) % cache.ring_rows
+    mask = (plan.mask.clone() if plan.mask is not None
+            else torch.tril(torch.ones(t, width, dtype=torch.bool, device=dev), start))
+    for row, emb in images:
+        r = torch.arange(row, row + emb.shape[0], device=dev)
+        ok = torch.ones(len(r), len(r), dtype=torch.bool, device=dev)
+        if window is not None:
+            ok = (r[:, None] - r[None, :]) < window
+        at = (r[:, None], cols[r][None, :])
+        mask[at] = mask[at] | ok
+    return ReadPlan(plan.mode, plan.end, plan.old_idx, mask)

@@ -21,6 +21,7 @@ from .gemma3 import Gemma3Model, hf_to_gguf_value
 from .gemma3 import hf_to_gguf_name as gemma3_hf_name
 from .gemma4 import Gemma4Model, hf_to_gguf_name
 from .gemma4_assistant import Gemma4Assistant
+from . import gemma3_vision
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,46 @@ ARCHITECTURES: dict[str, Architecture] = {
                      hf_name=lambda name, config: hf_to_gguf_name(name, _layers(config))),
     )
 }
+
+
+VISION_TOWERS: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("gemma3", "vision", gemma3_vision.Gemma3VisionConfig, gemma3_vision.Gemma3Vision,
+                     hf_model_types=("gemma3",),
+                     hf_name=lambda name, config: gemma3_vision.hf_to_gguf_name(name, config.num_layers),
+                     hf_value=gemma3_vision.hf_to_gguf_value),
+    )
+}
+"""Vision towers (``--mmproj``), keyed by llama.cpp's projector type (an mmproj GGUF's
+``clip.projector_type``); ``hf_model_types``: the multimodal ``config.json`` ``model_type`` they read.
+Gemma 4's vision tower is not implemented yet."""
+
+
+def vision_by_projector(projector: str, where: str = "") -> Architecture:
+    """The vision tower for an mmproj GGUF's ``clip.projector_type``.
+
+    Raises:
+        UnsupportedArchitectureError: not implemented (names those that are).
+    """
+    if projector not in VISION_TOWERS:
+        raise UnsupportedArchitectureError(
+            f"{where}: vision projector '{projector}' is not supported; supported: {', '.join(VISION_TOWERS)}")
+    return VISION_TOWERS[projector]
+
+
+def vision_by_hf_model_type(model_type, where: str = "") -> Architecture:
+    """The vision tower of a multimodal ``config.json`` ``model_type``.
+
+    Raises:
+        UnsupportedArchitectureError: no vision tower reads it.
+    """
+    for arch in VISION_TOWERS.values():
+        if model_type in arch.hf_model_types:
+            return arch
+    raise UnsupportedArchitectureError(
+        f"{where}: model_type '{model_type}' has no supported vision tower; supported: "
+        f"{', '.join(t for a in VISION_TOWERS.values() for t in a.hf_model_types)}")
 
 
 def by_name(name: str, where: str = "") -> Architecture:

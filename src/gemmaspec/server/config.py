@@ -28,7 +28,8 @@ class ServeConfig:
     ``slots_endpoint`` False (``--no-slots``): ``GET /slots`` answers 501; ``metrics_endpoint`` False
     (``--no-metrics``): ``GET /metrics`` answers 501; ``ui`` False (``--no-ui``): ``/`` answers 404.
     ``chat_template``: Jinja text replacing the model's template (``--chat-template``,
-    ``--chat-template-file``).
+    ``--chat-template-file``). ``mmproj``: the vision projector (``--mmproj``: an mmproj GGUF or a
+    multimodal checkpoint directory), None for text only.
     """
 
     model: str | None = None
@@ -53,4 +54,5 @@ class ServeConfig:
     chat_template: str | None = None
     context_shift: bool = False
     n_keep: int = 0
+    mmproj: str | None = None
 

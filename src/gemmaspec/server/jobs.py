@@ -61,7 +61,7 @@ class JobStream(StreamingResponse):
 
 
 async def submit(st: ServerState, req, kind: str, ids: list[int], params: SamplingParams, logprobs, fmt,
-                 queue: asyncio.Queue, want_slot: int = -1, grammar=None, tag=None, group=None) -> Job:
+                 queue: asyncio.Queue, want_slot: int = -1, grammar=None, tag=None, group=None, images=()) -> Job:
     """Queue one generation of ``ids`` for request ``req`` at endpoint ``kind`` (``completions``,
     ``chat`` or ``completion``); its events arrive on ``queue`` (as ``(tag, item)`` when ``tag`` is
     given). The stop-string automaton and the grammar's constraint are built here, off the event
@@ -97,7 +97,7 @@ async def submit(st: ServerState, req, kind: str, ids: list[int], params: Sampli
                              context_shift=st.cfg.context_shift,
                              n_keep=st.cfg.n_keep if req.n_keep is None else req.n_keep, n_discard=req.n_discard)
     job = Job(ids, options, emit, name=name, endpoint=kind, want_slot=want_slot, cache_prompt=req.cache_prompt,
-              progress=req.return_progress and req.stream, group=group)
+              progress=req.return_progress and req.stream, group=group, images=list(images))
     try:
         st.scheduler.submit(job)
     except RuntimeError as exc:
@@ -106,7 +106,7 @@ async def submit(st: ServerState, req, kind: str, ids: list[int], params: Sampli
 
 
 async def generate(st: ServerState, request: Request, req, kind: str, ids: list[int], params: SamplingParams,
-                   logprobs, fmt, want_slot: int = -1, grammar=None, group=None):
+                   logprobs, fmt, want_slot: int = -1, grammar=None, group=None, images=()):
     """One generation: a stream (``req.stream``) or the whole response (``fmt.final`` for
     ``/completion``, ``fmt.whole`` otherwise); a 499 response when the client leaves first.
 
@@ -114,7 +114,7 @@ async def generate(st: ServerState, request: Request, req, kind: str, ids: list[
         APIError: as :func:`submit`, or the scheduler's error for the job.
     """
     queue: asyncio.Queue = asyncio.Queue()
-    job = await submit(st, req, kind, ids, params, logprobs, fmt, queue, want_slot, grammar, group=group)
+    job = await submit(st, req, kind, ids, params, logprobs, fmt, queue, want_slot, grammar, group=group, images=images)
     if req.stream:
         gen = native_stream(queue, fmt, job) if kind == "completion" else stream(queue, fmt, job)
         return JobStream(gen, on_close=lambda: st.scheduler.cancel(job))

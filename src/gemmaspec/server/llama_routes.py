@@ -89,7 +89,7 @@ async def props(st: ServerState = Depends(loaded)):
                                         "next_token": [{"has_next_token": True, "has_new_line": False,
                                                         "n_remain": -1, "n_decoded": 0}]},
         "total_slots": cfg.n_slots, "model_path": str(m.path), "chat_template": e.tokenizer.chat_template,
-        "chat_template_caps": {}, "modalities": {"vision": False, "audio": False}, "build_info": fingerprint(),
+        "chat_template_caps": {}, "modalities": {"vision": m.vision is not None, "audio": False}, "build_info": fingerprint(),
         "model": m.model_id, "n_ctx": e.ctx_size, "batched_forward": st.scheduler.batched,
         "is_base_model": is_base(e.tokenizer), "model_has_chat_template": not is_base(e.tokenizer),
         "speculative": {"type": m.spec_type, "n_max": cfg.spec.n_max, "n_min": cfg.spec.n_min, "p_min": m.p_min,

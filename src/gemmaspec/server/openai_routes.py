@@ -7,6 +7,8 @@ each route here needs the model loaded (503 before, :func:`~gemmaspec.server.dep
 
 from __future__ import annotations
 
+import asyncio
+
 import uuid
 
 from fastapi import APIRouter, Depends, Request
@@ -60,7 +62,7 @@ async def chat_input_tokens(request: Request, st: ServerState = Depends(loaded))
     body = await json_body(request)
     refuse_unsupported(body, chat=True)
     req = validate(ChatRequest, body)
-    ids, _ = chat_ids(req, body, st.engine.tokenizer)
+    ids, _, _ = await _chat_ids(req, body, st)
     return {"input_tokens": len(ids)}
 
 
@@ -120,7 +122,7 @@ async def chat(request: Request, st: ServerState = Depends(loaded)):
     req = validate(ChatRequest, body)
     e = st.engine
     params = request_params(req, st.cfg, e, -1, MAX_CHOICES)
-    ids, spec = chat_ids(req, body, e.tokenizer)
+    ids, spec, images = await _chat_ids(req, body, st)
     top = _top_logprobs(req)
     grammar = grammar_of(body)
     if spec is not None and spec.active:
@@ -136,7 +138,18 @@ async def chat(request: Request, st: ServerState = Depends(loaded)):
                       provenance=req.return_provenance)
             for i in range(req.n)]
     check_slot(req.id_slot, st.cfg.n_slots)
+    if images and req.n > 1:
+        raise APIError(400, "n > 1 is not supported together with images (one choice per request with images)")
     if req.n > 1:
         return await jobs.generate_n(st, request, req, "chat", [ids] * req.n, params, top, fmts, grammar)
     return await jobs.generate(st, request, req, "chat", ids, params, top, fmts[0], want_slot=req.id_slot,
-                               grammar=grammar)
+                               grammar=grammar, images=images)
+
+
+async def _chat_ids(req, body, st: ServerState):
+    """:func:`chat_ids` with the loaded vision tower (``--mmproj``); images are decoded and encoded off
+    the event loop."""
+    vision = st.model.vision
+    if vision is None:
+        return chat_ids(req, body, st.engine.tokenizer)
+    return await asyncio.to_thread(chat_ids, req, body, st.engine.tokenizer, vision)

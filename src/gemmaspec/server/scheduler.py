@@ -31,6 +31,7 @@ from typing import Callable
 
 from ..engine import Engine, Event, RequestState, RequestStats
 from ..errors import GemmaspecError
+from ..multimodal import keyed
 from ..request import RequestOptions
 
 log = logging.getLogger("gemmaspec.server")
@@ -61,6 +62,9 @@ class Job:
             slot, so another user's cached conversation is not evicted for a few shared template tokens.
         progress: emit ``("progress", {"total", "cache", "processed", "time_ms"})`` before and after
             each prefill chunk (llama-server's ``return_progress``).
+        images: the prompt's images (:class:`~gemmaspec.multimodal.ImageSpan`); the slot's cache is
+            matched by :meth:`~gemmaspec.engine.RequestState.cache_keys`, so KV is reused past an image
+            only for the same image at the same place.
     After it ends, ``stop_word`` is the stop string that ended it ("" if none), ``cache_n`` the
     prompt tokens reused from the slot's cache (0: the whole prompt was prefilled) and ``n_cached``
     the tokens whose KV the slot keeps (llama-server's ``tokens_cached``: the prompt and the reply but
@@ -76,6 +80,7 @@ class Job:
     cache_prompt: bool = True
     progress: bool = False
     group: int | None = None  # the request it belongs to, when one request runs several jobs (n, prompts)
+    images: list = field(default_factory=list)
     stop_word: str = ""
     cache_n: int = 0
     n_cached: int = 0
@@ -314,7 +319,7 @@ class Scheduler:
                     job, free = self._next_admissible()
                     if job is None:
                         break
-                    s = pick_slot(free, job.prompt_ids, job.cache_prompt)
+                    s = pick_slot(free, keyed(job.prompt_ids, job.images), job.cache_prompt)
                     self._queue.remove(job)
                     s.job, job.slot = job, s.index
                     admit.append(s)
@@ -368,9 +373,10 @@ class Scheduler:
         job = s.job
         try:
             s.use_p_min(job.options.p_min)
-            job.state = RequestState(self.engine, job.prompt_ids, job.options, s.drafter, job.stats, cache=s.cache)
+            job.state = RequestState(self.engine, job.prompt_ids, job.options, s.drafter, job.stats, cache=s.cache,
+                                     images=job.images)
             # against the tokens the state runs (a context shift may have cut the prompt)
-            reuse = common_prefix(s.cached, job.state.tokens) if job.cache_prompt else 0
+            reuse = common_prefix(s.cached, job.state.cache_keys()) if job.cache_prompt else 0
             s.cached = []  # the cache changes from here on
             progress = None
             if job.progress:
@@ -442,7 +448,7 @@ class Scheduler:
             job.state.cancel()
         if job.state is not None:
             job.stop_word = job.state.stop.word
-            s.cached = job.state.tokens[:s.cache.length]
+            s.cached = job.state.cache_keys()[:s.cache.length]
             job.n_cached = len(s.cached)
         job.t_done = s.last_used = time.perf_counter()
         with self._cond:

@@ -4,6 +4,7 @@ object (:class:`ServerState`) that the routes get through :mod:`.deps`; and load
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..engine import Engine
+from ..errors import InputError
 from .apierror import APIError
 from .config import ServeConfig
 from .metrics import Metrics
@@ -33,6 +35,7 @@ class LoadedModel:
         draft_file: the drafter's file (``-md``, or the shipped assistant), None for none.
         load_s: seconds the load took.
         created: when loading finished, Unix seconds (``/v1/models``' ``created``).
+        vision: the vision tower (``--mmproj``, a :class:`~gemmaspec.loading.vision.LoadedVision`) or None.
     """
 
     engine: Engine
@@ -44,6 +47,7 @@ class LoadedModel:
     draft_file: str | None
     load_s: float
     created: int
+    vision: object | None = None
 
 
 def load_model(cfg: ServeConfig) -> tuple[LoadedModel, Callable]:
@@ -71,13 +75,22 @@ def load_model(cfg: ServeConfig) -> tuple[LoadedModel, Callable]:
     if is_base(engine.tokenizer):
         log.info("note: %s", base_model_note())  # /props says it too: is_base_model
     make = build(drafter_plan, engine, warn=log.warning)
+    vision = None
+    if cfg.mmproj:
+        from ..loading.vision import check_pair, load_vision
+
+        vision = load_vision(cfg.mmproj, device=getattr(engine.model, "device", "cpu"))
+        check_pair(vision, engine.model.config)
+        if "images" not in inspect.signature(engine.model.forward).parameters:
+            raise InputError(f"{path} does not take images (only Gemma 3 targets do so far); drop --mmproj")
+        log.info("vision projector %s: %d tokens per image", vision.path, vision.model.tokens_per_image)
     if cfg.spec.n_max == "auto" and drafter_plan.spec_type != "none":
         engine.forward_costs()
     aliases = sorted({a.strip() for a in (cfg.alias or "").split(",") if a.strip()})
     model = LoadedModel(engine=engine, path=path, spec_type=drafter_plan.spec_type,
                         model_id=aliases[0] if aliases else path.name, aliases=aliases, p_min=drafter_plan.p_min,
                         draft_file=drafter_plan.draft_file,  # -md, or the shipped assistant
-                        load_s=time.perf_counter() - t0, created=int(time.time()))
+                        load_s=time.perf_counter() - t0, created=int(time.time()), vision=vision)
     return model, make
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 
 from ..errors import GemmaspecError
+from ..multimodal import MARK, chat_image_ids
 from ..sampling import SamplingParams
 from ..seeds import llama_seed
 from ..speculative.options import parse_n_max
 from .apierror import APIError
+from .images import IMAGE_PARTS, image_bytes, prepare_images, refused_part
 from .parse import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS, ChatRequest, GenerationRequest
 from .tools import parse_tools, render_history, with_tools_prompt
 
@@ -298,13 +300,16 @@ def spec_overrides(req, cfg) -> tuple[int | str, int, float | None]:
     return out_max, out_min, None if p_min is None else float(p_min)
 
 
-def chat_messages(req: ChatRequest) -> list[dict]:
+def chat_messages(req: ChatRequest, images: list | None = None) -> list[dict]:
     """The chat template's messages from a chat request: roles checked (``developer`` becomes
     ``system``), text content parts joined. ``tool`` messages and assistant ``tool_calls`` pass
     through here as they are; :func:`gemmaspec.server.tools.render_history` turns them into text.
+    With ``images`` (a list, when a vision tower is loaded) each ``image_url`` part appends
+    ``(where, bytes)`` to it and leaves :data:`gemmaspec.multimodal.MARK` in the content.
 
     Raises:
-        APIError: 400 for an unknown role, a missing content, or a non-text content part.
+        APIError: 400 for an unknown role, a missing content, or a content part that is neither text
+            nor (with ``images``) an image; audio parts are refused by name.
     """
     if len(req.messages) > MAX_MESSAGES:
         raise APIError(400, f"too many messages: {len(req.messages)} (at most {MAX_MESSAGES})")
@@ -327,10 +332,12 @@ def chat_messages(req: ChatRequest) -> list[dict]:
             for j, part in enumerate(content):
                 if part.get("type") == "text" and not isinstance(part.get("text"), str):
                     raise APIError(400, f"messages[{i}].content[{j}].text must be a string")
+                if part.get("type") in IMAGE_PARTS and images is not None:
+                    images.append((f"messages[{i}].content[{j}]", image_bytes(part, f"messages[{i}].content[{j}]")))
+                    parts.append(MARK)
+                    continue
                 if part.get("type") != "text":
-                    kind = part.get("type") or "untyped"
-                    raise APIError(400, f"messages[{i}].content[{j}]: '{kind}' parts are not supported by gemmaspec "
-                                        "(a text-only model): only text content parts")
+                    raise refused_part(part.get("type") or "untyped", f"messages[{i}].content[{j}]", images is not None)
                 parts.append(part["text"])
             content = "".join(parts)
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
@@ -430,30 +437,36 @@ def template_kwargs(req: ChatRequest) -> dict | None:
     return kw or None
 
 
-def chat_prompt(req: ChatRequest, spec) -> list[dict]:
+def chat_prompt(req: ChatRequest, spec, images: list | None = None) -> list[dict]:
     """The template's messages: tool parts of the history as text, the tools (``spec``, a
-    :class:`~gemmaspec.server.tools.ToolSpec` or None) in the system turn.
+    :class:`~gemmaspec.server.tools.ToolSpec` or None) in the system turn; ``images`` as in
+    :func:`chat_messages`.
 
     Raises:
         APIError: 400 as :func:`chat_messages`.
     """
-    messages = render_history(chat_messages(req), req.messages)
+    messages = render_history(chat_messages(req, images), req.messages)
     return with_tools_prompt(messages, spec) if spec is not None else messages
 
 
-def chat_ids(req: ChatRequest, body: dict, tokenizer) -> tuple[list[int], object]:
-    """A chat request's prompt ids and its tools (a :class:`~gemmaspec.server.tools.ToolSpec` or
-    None): rendered with the template, the generation prompt or the continuation of a final assistant
-    message as the request says.
+def chat_ids(req: ChatRequest, body: dict, tokenizer, vision=None) -> tuple[list[int], object, list]:
+    """A chat request's prompt ids, its tools (a :class:`~gemmaspec.server.tools.ToolSpec` or
+    None) and its images (:class:`~gemmaspec.multimodal.ImageSpan`, encoded by ``vision``, the loaded
+    tower or None): rendered with the template, the generation prompt or the continuation of a final
+    assistant message as the request says. Encoding images takes a while: call it off the event loop.
 
     Raises:
-        APIError: 400 for bad messages, tools or template variables, or a template that fails.
+        APIError: 400 for bad messages, tools, images or template variables, or a template that fails.
     """
     spec = parse_tools(body)
-    messages = chat_prompt(req, spec)
+    raw = [] if vision is not None else None
+    messages = chat_prompt(req, spec, raw)
     agp, cont = continuation(req)
+    opts = {"add_generation_prompt": agp, "continue_final": cont, "template_kwargs": template_kwargs(req)}
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=agp, continue_final=cont,
-                                     template_kwargs=template_kwargs(req)), spec
+        if raw:
+            ids, spans = chat_image_ids(tokenizer, vision.model, messages, prepare_images(raw, vision), **opts)
+            return ids, spec, spans
+        return tokenizer.encode_chat(messages, **opts), spec, []
     except GemmaspecError as exc:
         raise APIError(400, str(exc)) from None

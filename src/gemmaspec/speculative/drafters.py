@@ -38,10 +38,13 @@ class DraftContext:
         tokens: every token so far (prompt + generated), the last one not yet run by the target.
         hidden: the target's final-norm hidden state float32 [hidden_size] at the last position it
             ran, or None before the first forward.
+        non_text: token ids that stand for no text (an image's placeholders, whose positions hold
+            image embeddings): never to be copied as drafts.
     """
 
     tokens: list[int]
     hidden: torch.Tensor | None = None
+    non_text: frozenset = frozenset()
 
 
 class Drafter(Protocol):
@@ -98,25 +101,29 @@ class NgramDrafter:
         self.seen = 0
         self.tokens: list[int] = []
 
-    def _sync(self, tokens: list[int]) -> None:
+    def _sync(self, tokens: list[int], skip: frozenset = frozenset()) -> None:
         if tokens[:self.seen] != self.tokens[:self.seen]:  # a different sequence: start over
             self.reset()
         for i in range(self.seen, len(tokens)):
+            if tokens[i] in skip:  # an image's position: no n-gram ends before it or runs over it
+                continue
             for n, table in self.index.items():
-                if i >= n:
+                if i >= n and not (skip and skip.intersection(tokens[i - n:i])):
                     table[tuple(tokens[i - n:i])] = i  # n-gram ending before i, continued at i
         self.seen = len(tokens)
         self.tokens = tokens
 
     def propose(self, ctx: DraftContext, n_max: int) -> Draft:
-        toks = ctx.tokens
-        self._sync(toks)
+        toks, skip = ctx.tokens, ctx.non_text
+        self._sync(toks, skip)
         for n in range(self.ngram_max, self.ngram_min - 1, -1):
             if len(toks) < n:
                 continue
             at = self.index[n].get(tuple(toks[-n:]))
             if at is not None:
-                return Draft(list(toks[at:at + n_max]))
+                draft = list(toks[at:at + n_max])
+                cut = next((j for j, t in enumerate(draft) if t in skip), len(draft))
+                return Draft(draft[:cut])
         return Draft()
 
 
