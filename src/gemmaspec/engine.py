@@ -29,7 +29,7 @@ from .request import RequestOptions
 from .sampling import Sampler, SamplingParams, ban_end_of_generation, filtered_probs
 from .speculative.adaptive import AdaptiveDraftLength
 from .speculative.drafters import DraftContext, Drafter, NoDrafter
-from .speculative.stats import SpecStats
+from .speculative.stats import SpecStats, TokenSource
 from .speculative.verify import verify_round
 from .streaming import StopChecker
 from .tokenizer import GemmaTokenizer
@@ -81,27 +81,6 @@ class TokenLogprob:
     logprob: float
     top: list
     probs: bool = False
-
-
-@dataclass
-class TokenSource:
-    """Where a generated token came from in its decode round (the server's ``return_provenance``).
-
-    Attributes:
-        kind: the drafter's type (``draft-mtp``, ``ngram-simple``, ``draft-simple``) for an accepted
-            draft; ``target`` for the target's own token (the first token, a plain step's, the token
-            recovered after a rejection, or the bonus after all drafts were accepted).
-        pos: the token's position in its round (drafts 0..accepted-1, then the target's token).
-        drafted: drafts the round proposed (0: no drafting).
-        drafter: the drafter of the round's drafts ("" when none drafted).
-        rejected: on the target's token, the drafts it replaced (empty when all were accepted).
-    """
-
-    kind: str
-    pos: int = 0
-    drafted: int = 0
-    drafter: str = ""
-    rejected: list[int] = field(default_factory=list)
 
 
 @dataclass
