@@ -26,6 +26,10 @@ class RequestOptions:
             ignores it), or ``"auto"``: chosen each round by
             :class:`~gemmaspec.speculative.adaptive.AdaptiveDraftLength` (``--spec-draft-n-max``).
         n_min: a proposal shorter than this many tokens is not verified (``--spec-draft-n-min``).
+        choose_n: ``n_max`` is an upper bound and each round's draft length is chosen for the whole
+            batch from measured costs (:mod:`gemmaspec.speculative.chooser`; the server's default),
+            instead of drafting ``n_max`` (or the per-request ``auto``) every round. Read by the
+            server's scheduler; a request run alone by :meth:`Engine.generate` drafts as before.
         p_min: the drafter's ``p_min`` for this request (0..1, llama-server's ``speculative.p_min``:
             a model drafter stops drafting below this probability), None for the drafter's own. Applied
             by whoever owns the drafter (the scheduler's slot, :meth:`Engine.generate`) and restored after.
@@ -53,6 +57,7 @@ class RequestOptions:
     _: KW_ONLY
     n_max: int | str = 0
     n_min: int = 0
+    choose_n: bool = False
     p_min: float | None = None
     logprobs: int | None = None
     post_sampling: bool = False

@@ -71,6 +71,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("-s", "--seed", type=seed_arg, default=None,
                    help="seed (default -1: a random seed per request); any integer, wrapped to 32 bits as llama.cpp does")
     add_spec(s)
+    s.add_argument("--spec-draft-n-fixed", action="store_true",
+                   help="draft --spec-draft-n-max tokens every round, as llama-server does (default: each round's draft "
+                        "length is chosen per slot, 0 included, from measured costs, up to --spec-draft-n-max)")
     refuse(s, LLAMA_FLAGS_REFUSED_SERVE)
     return s
 
@@ -196,7 +199,8 @@ def serve(args) -> int:
                       defaults=defaults, n_predict=args.n_predict, allowed_hosts=hosts,
                       cors_origins=tuple(normalize_origin(o) for o in split(args.cors_origin)), slot_save_path=slot_dir, verbose=args.verbose,
                       slots_endpoint=args.slots_endpoint, metrics_endpoint=args.metrics, ui=args.ui, tags=split([args.tags or ""]),
-                      chat_template=chat_template_of(args), context_shift=args.context_shift, n_keep=args.keep)
+                      chat_template=chat_template_of(args), context_shift=args.context_shift, n_keep=args.keep,
+                      choose_n=not args.spec_draft_n_fixed)
     setup_logging(timestamps=True)
     socks: list[socket.socket] = []
     port = args.port

@@ -59,7 +59,7 @@ async def props(st: ServerState = Depends(loaded)):
         "model": m.model_id, "n_ctx": e.ctx_size, "batched_forward": st.scheduler.batched,
         "speculative": {"type": m.spec_type, "n_max": cfg.spec.n_max, "n_min": cfg.spec.n_min, "p_min": m.p_min,
                         "ngram_size": cfg.spec.ngram_size, "ngram_min": cfg.spec.ngram_min,
-                        "draft_model": m.draft_file},
+                        "draft_model": m.draft_file, "n_chosen": cfg.choose_n},
     }
 
 
