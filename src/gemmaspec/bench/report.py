@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .analyze import ALL, crossover_sentence, summarize
+from .run import plan_summary
 
 PLOT_SIZE = (8.0, 4.5)  # inches
 PLOT_DPI = 100  # so every PNG is 800 x 450 pixels
@@ -58,6 +59,8 @@ def markdown(results: dict, s: dict) -> str:
     for t in targets:
         lines.append(crossover_sentence(s["crossover"].get(t, {}), t))
     lines.append("")
+    if plan_summary(results):
+        lines += [plan_summary(results), ""]
     for t in targets:
         tc = [c for c in cells if c["target"] == t]
         if not tc:
