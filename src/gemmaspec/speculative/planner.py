@@ -191,11 +191,14 @@ class RoundPlanner:
             self.cost.observe_verify(len(ran), rows, seconds)
         for p in ran:
             drafted, accepted = p.state.last_verdict
-            if p.preview.source and drafted:
-                self._acceptance(p.key, p.preview.source).update(drafted, accepted)
-                self.pooled[p.preview.source].update(drafted, accepted)
+            # the positions the round tried: a model drafter asked for n tokens that stopped early (its
+            # p-min) gained nothing at the positions it did not draft, and the choice must learn that
+            tried = max(drafted, p.n) if p.preview.model is not None else drafted
+            if p.preview.source and tried:
+                self._acceptance(p.key, p.preview.source).update(tried, accepted)
+                self.pooled[p.preview.source].update(tried, accepted)
             for src, acc in self.per_slot.get(p.key, {}).items():
-                if src != p.preview.source or not drafted:
+                if src != p.preview.source or not tried:
                     acc.tick()
         if choosing:
             t = self.totals
