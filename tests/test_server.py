@@ -67,7 +67,7 @@ def test_models_props_and_slots(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     props = httpx.get(server.url + "/props").json()
     assert props["n_ctx"] == 2048 and props["total_slots"] == 4 and props["batched_forward"] is True
-    assert props["speculative"]["type"] == "ngram-simple,draft-mtp" and props["speculative"]["n_max"] == 3
+    assert props["speculative"]["type"] == "ngram-simple,draft-mtp" and props["speculative"]["n_max"] == 8  # the chosen length's bound
     slots = httpx.get(server.url + "/slots").json()
     assert [s["id"] for s in slots] == [0, 1, 2, 3]
 
