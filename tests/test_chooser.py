@@ -138,3 +138,13 @@ def test_a_faded_record_is_tried_again():
     for _ in range(60):
         a.tick()
     assert low < 0.2 and a.rates(1)[0] > 0.7
+
+
+def test_a_drafter_that_stops_early_is_priced_by_its_expected_rows_and_steps():
+    """Asked for 2 tokens, the drafter drafts the first half the time and the second half of those
+    (its p-min): 0.75 rows expected, step 1 always, step 2 in half the rounds."""
+    slot = SlotView(2, [0.5, 0.5], "m", fixed=2, cont=[0.5, 0.5])
+    got = choose([slot], FakeCosts(base=0.010, per_row=0.004, step0=0.001))
+    assert got.seconds == pytest.approx(0.010 + 0.004 * 0.75 + 0.001 + 0.5 * 0.001)
+    always = choose([SlotView(2, [0.5, 0.5], "m", fixed=2)], FakeCosts(base=0.010, per_row=0.004, step0=0.001))
+    assert always.seconds == pytest.approx(0.010 + 0.004 * 2 + 0.002)

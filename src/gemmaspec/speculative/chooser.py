@@ -8,12 +8,14 @@ maximise the batch's expected tokens per second,
     tokens(n) = sum_i E_i(n_i),   E_i(n) = 1 + sum_{j=1..n} prod_{k<=j} a_{i,k}
     seconds(n) = verify(S, S + sum_i n_i) + drafting(n)
 
-where ``a_{i,k}`` is slot i's acceptance at draft position k given k-1 was accepted
-(:class:`Acceptance`), ``verify(S, R)`` the seconds of a round of S slots and R rows (forward,
+where ``a_{i,k}`` is slot i's chance of gaining draft position k given it gained k-1
+(:class:`Acceptance`: a position its drafter was asked for but did not draft, stopped by its p-min,
+counts as not gained), ``verify(S, R)`` the seconds of a round of S slots and R rows (forward,
 verification and stop checks; :class:`CostModel`) and ``drafting`` the draft steps it needs: a
 batched drafter (the MTP assistant) runs step k once for the B_k slots still drafting,
 ``sum_k d(B_k)``; a drafter that does not batch pays ``d(1)`` per token; a draft already made (n-gram
-lookup: nearly free) costs nothing more. At one slot this is the adaptive draft length of
+lookup: nearly free) costs nothing more. A model drafter with a p-min drafts fewer tokens than asked
+in some rounds: its rows and steps are counted by their expected number (``SlotView.cont``). At one slot this is the adaptive draft length of
 :mod:`.adaptive` with a per-step drafting cost; under load it drafts less, or not at all, by itself.
 
 Choosing n never changes output: every n is verified exactly (greedy, and seeded sampling through
@@ -102,6 +104,10 @@ class SlotView:
         fixed: the slot's draft length when it does not choose (``--spec-draft-n-fixed``, a request's
             ``speculative.n_fixed``), else None.
         n_min: a draft shorter than this is not verified (``--spec-draft-n-min``): n is 0 or >= it.
+        cont: a model drafter's chance of drafting position k given it drafted k-1 (its p-min stops a
+            round early), positions 0..cap-1; empty: it always drafts what it is asked. A round asked
+            for n tokens verifies and drafts only what was drafted, so rows and draft steps are priced
+            by their expected number.
     """
 
     cap: int
@@ -110,6 +116,7 @@ class SlotView:
     batched: bool = True
     fixed: int | None = None
     n_min: int = 0
+    cont: Sequence[float] = ()
 
 
 @dataclass
@@ -161,25 +168,39 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
     caps = [max(0, s.cap) for s in slots]
     gain = [expected_tokens(list(s.rates[:c]) + [0.0] * (c - len(s.rates[:c]))) for s, c in zip(slots, caps)]
     fixed = [None if s.fixed is None else min(max(0, s.fixed), c) for s, c in zip(slots, caps)]
+    # reach[i][j]: probability slot i's drafter produces j tokens when asked for more (its p-min stops)
+    reach = []
+    for s, c in zip(slots, caps):
+        r = [1.0]
+        for j in range(c):
+            r.append(r[-1] * (s.cont[j] if j < len(s.cont) else 1.0))
+        reach.append(r)
     rows_max = n + sum(caps)
-    verify = [0.0] * (rows_max + 1)
+    verify = [0.0] * (rows_max + 2)
     for r in range(n, rows_max + 1):
         verify[r] = costs.verify_seconds(n, r)
-    step = {s.source: [0.0] + [costs.draft_seconds(s.source, b) for b in range(1, n + 1)]
+    verify[rows_max + 1] = verify[rows_max]
+    step = {s.source: [0.0] + [costs.draft_seconds(s.source, b) for b in range(1, n + 1)] + [0.0]
             for s in slots if s.source}
+    for tab in step.values():
+        tab[-1] = tab[-2]
+
+    def at(tab: list, x: float) -> float:  # tab at a fractional index (expected rows or slots)
+        lo = int(x)
+        return tab[lo] + (x - lo) * (tab[lo + 1] - tab[lo])
 
     def seconds(ns) -> float:
-        total = verify[n + sum(ns)]
+        total = at(verify, n + sum(sum(reach[i][1:k + 1]) for i, k in enumerate(ns)))
         by_source: dict[str, list[int]] = {}
-        for s, k in zip(slots, ns):
+        for i, (s, k) in enumerate(zip(slots, ns)):
             if k and s.source:
                 if s.batched:
-                    by_source.setdefault(s.source, []).append(k)
+                    by_source.setdefault(s.source, []).append(i)
                 else:
-                    total += k * step[s.source][1]
-        for src, ks in by_source.items():
-            for j in range(1, max(ks) + 1):
-                total += step[src][sum(1 for k in ks if k >= j)]
+                    total += sum(reach[i][:k]) * step[s.source][1]
+        for src, rows in by_source.items():
+            for j in range(1, max(ns[i] for i in rows) + 1):  # step j runs for the slots that drafted j - 1
+                total += at(step[src], sum(reach[i][j - 1] for i in rows if ns[i] >= j))
         return max(total, 1e-9)
 
     def score(ns) -> tuple[float, float, float]:

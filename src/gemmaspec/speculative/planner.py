@@ -70,8 +70,8 @@ class RoundPlanner:
     def __init__(self, engine, n_cap: int = MAX_DRAFT_TOKENS):
         self.engine, self.n_cap = engine, n_cap
         self._cost: CostModel | None = None
-        self.pooled: dict[str, Acceptance] = {}
-        self.per_slot: dict[int, dict[str, Acceptance]] = {}
+        self.pooled: dict[tuple, Acceptance] = {}  # (source, "gain" | "cont") -> pooled over slots
+        self.per_slot: dict[int, dict[tuple, Acceptance]] = {}
         self.last: dict[int, dict] = {}  # slot key -> {"n", "source", "rates"} of its last planned round
         self.totals = PlanTotals()
         self.last_rate = (0.0, 0.0)  # (predicted, measured) tokens/s of the last planned round
@@ -92,12 +92,15 @@ class RoundPlanner:
         self.per_slot[key] = {}
         self.last.pop(key, None)
 
-    def _acceptance(self, key: int, source: str) -> Acceptance:
+    def _acceptance(self, key: int, source: str, what: str = "gain") -> Acceptance:
+        """Slot ``key``'s estimates for drafter ``source``: ``gain`` (a position gained given the one
+        before was) or ``cont`` (a model drafter drafted a position given it drafted the one before)."""
         mine = self.per_slot.setdefault(key, {})
-        if source not in mine:
-            parent = self.pooled.setdefault(source, Acceptance(MAX_DRAFT_TOKENS + 1, decay=0.99, weight=2.0))
-            mine[source] = Acceptance(MAX_DRAFT_TOKENS + 1, parent=parent)
-        return mine[source]
+        name = (source, what)
+        if name not in mine:
+            parent = self.pooled.setdefault(name, Acceptance(MAX_DRAFT_TOKENS + 1, decay=0.99, weight=2.0))
+            mine[name] = Acceptance(MAX_DRAFT_TOKENS + 1, parent=parent)
+        return mine[name]
 
     def begin(self, slots: list[tuple[int, object]]) -> list:
         """Start a round for ``slots`` = ``(key, RequestState)``: returns, per slot, its
@@ -157,6 +160,8 @@ class RoundPlanner:
         chose = choosing and cap > 0
         if chose:
             view.rates = self._acceptance(key, pv.source).rates(cap)
+            if pv.model is not None:
+                view.cont = self._acceptance(key, pv.source, "cont").rates(cap)
         return SlotPlan(key, st, pv, view, choosing=choosing, chose=chose, generated=st.stats.generated_tokens)
 
     def _draft(self, plans: list, results: list) -> dict:
@@ -193,12 +198,16 @@ class RoundPlanner:
             drafted, accepted = p.state.last_verdict
             # the positions the round tried: a model drafter asked for n tokens that stopped early (its
             # p-min) gained nothing at the positions it did not draft, and the choice must learn that
-            tried = max(drafted, p.n) if p.preview.model is not None else drafted
+            model = p.preview.model is not None
+            tried = max(drafted, p.n) if model else drafted
+            updated = set()
             if p.preview.source and tried:
-                self._acceptance(p.key, p.preview.source).update(tried, accepted)
-                self.pooled[p.preview.source].update(tried, accepted)
-            for src, acc in self.per_slot.get(p.key, {}).items():
-                if src != p.preview.source or not tried:
+                for what, got in (("gain", accepted), ("cont", drafted)) if model else (("gain", accepted),):
+                    self._acceptance(p.key, p.preview.source, what).update(tried, got)
+                    self.pooled[(p.preview.source, what)].update(tried, got)
+                    updated.add((p.preview.source, what))
+            for name, acc in self.per_slot.get(p.key, {}).items():
+                if name not in updated:
                     acc.tick()
         if choosing:
             t = self.totals
