@@ -117,7 +117,7 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """The default server: embedded model, the default speculation (ngram-simple,draft-mtp, n_max 3), 4 slots."""
+    """The default server: embedded model, the default speculation (ngram-simple,draft-mtp, n_max 8 as the bound of the length chosen per round), 4 slots."""
     s = ServerProcess(tmp_path_factory.mktemp("serve"), "-np", "4", "-c", "2048")
     yield s
     s.close()

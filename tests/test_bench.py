@@ -388,21 +388,28 @@ def test_in_process_tiny_run_writes_everything(tmp_path, capsys, monkeypatch):
                               {"kind": "rewrite", "prompt": "List: red, green, blue. Again: red,"}])
     out = tmp_path / "out"
     # draft-mtp without -md: the assistant gemmaspec ships for the default model
-    rc = main(["bench", "--suite", str(suite), "--spec-type", "ngram-simple,draft-mtp", "--spec-draft-n-max", "2",
-               "--users", "1,2", "--repeats", "1", "--max-tokens", "8", "--out", str(out), "--no-progress", "-t", "1"])
+    rc = main(["bench", "--suite", str(suite), "--spec-type", "ngram-simple,draft-mtp", "--spec-draft-n-max",
+               "2,choose2", "--users", "1,2", "--repeats", "1", "--max-tokens", "8", "--out", str(out), "--no-progress",
+               "-t", "1"])
     assert rc == 0, capsys.readouterr().err
     target = kept[0]
     try:
         res = json.loads((out / "results.json").read_text())
         assert res["complete"] and res["targets"][0]["model_sha256"] and res["settings"]["configs"] == [
-            "none", "ngram-simple n=2", "draft-mtp n=2"]
-        assert len(res["phases"]) == 6 and all(len(p["requests"]) == 2 for p in res["phases"])
+            "none", "ngram-simple n=2", "ngram-simple n=choose2", "draft-mtp n=2", "draft-mtp n=choose2"]
+        assert len(res["phases"]) == 10 and all(len(p["requests"]) == 2 for p in res["phases"])
         for ph in res["phases"]:
             assert ph["memory"]["peak_rss_mib"] > 0
+            chosen = ph["config"].endswith("choose2")
+            # the lengths chosen per round: the cost model's prediction next to what the rounds took
+            assert (ph["planner"]["rounds"] > 0) == chosen and ph["planner"]["seconds"] >= 0
             for r in ph["requests"]:
                 assert r["completion_tokens"] == len(r["tokens"]) == 8
                 assert r["spec"]["source"] == "engine"
-                assert (r["spec"]["draft_n"] > 0) == (ph["config"] != "none")
+                assert bool(r["spec"].get("chosen_n")) == chosen
+                if not chosen:
+                    assert (r["spec"]["draft_n"] > 0) == (ph["config"] != "none")
+        assert "Draft lengths chosen per round" in (out / "report.md").read_text()
         assert res["lossless"] == []  # greedy speculation and batching change no token
         for name in PLOTS + ("report.md",):
             assert (out / name).stat().st_size > 0
@@ -427,16 +434,19 @@ def test_url_mode_against_gemmaspec_serve(tmp_path, capsys, server):
     drafting off per request; greedy outputs identical with and without."""
     suite = _write(tmp_path, [{"kind": "rewrite", "prompt": "Repeat: one two three four. Repeated: one two"}])
     out = tmp_path / "out"
-    rc = main(["bench", "--url", server.url, "--suite", str(suite), "--spec-draft-n-max", "2", "--users", "1,2",
-               "--repeats", "1", "--max-tokens", "6", "--out", str(out), "--no-progress"])
+    rc = main(["bench", "--url", server.url, "--suite", str(suite), "--spec-draft-n-max", "2,choose2", "--users",
+               "1,2", "--repeats", "1", "--max-tokens", "6", "--out", str(out), "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     res = json.loads((out / "results.json").read_text())
     assert res["targets"][0]["metrics"] is True and res["targets"][0]["props"]["speculative"]["type"] == "ngram-simple,draft-mtp"
-    assert len(res["phases"]) == 4
+    assert len(res["phases"]) == 6
     for ph in res["phases"]:
+        chosen = ph["n_max"] == "choose2"  # sent as n_max 2 without speculative.n_fixed; the others fixed
+        assert (ph["planner"]["rounds"] > 0) == chosen
         for r in ph["requests"]:
             assert r["completion_tokens"] == 6 and r["spec"]["source"] == "timings"
-            assert (r["spec"]["draft_n"] > 0) == (ph["n_max"] != 0)
+            if not chosen:
+                assert (r["spec"]["draft_n"] > 0) == (ph["n_max"] != 0)
     assert res["lossless"] == []
 
 

@@ -67,7 +67,7 @@ def test_models_props_and_slots(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     props = httpx.get(server.url + "/props").json()
     assert props["n_ctx"] == 2048 and props["total_slots"] == 4 and props["batched_forward"] is True
-    assert props["speculative"]["type"] == "ngram-simple,draft-mtp" and props["speculative"]["n_max"] == 3
+    assert props["speculative"]["type"] == "ngram-simple,draft-mtp" and props["speculative"]["n_max"] == 8  # the chosen length's bound
     # the default model's file has no chat template: a base model, said in /props (for the chat page) and the log
     assert props["is_base_model"] is True and props["model_has_chat_template"] is False
     log = server.log()

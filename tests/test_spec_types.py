@@ -105,7 +105,7 @@ def test_the_default_server_says_which_assistant_and_p_min_it_drafts_with(server
     sp = httpx.get(server.url + "/props", timeout=30).json()["speculative"]
     assert sp["type"] == "ngram-simple,draft-mtp" and sp["p_min"] == 0.3
     assert sp["draft_model"] == shipped_assistant(default_model_path())
-    assert "speculative ngram-simple,draft-mtp (n_max 3, p_min 0.3)" in server.log_path.read_text()
+    assert "speculative ngram-simple,draft-mtp (n_max 8, p_min 0.3), each round's draft length chosen" in server.log_path.read_text()
 
 
 def test_the_memory_estimate_counts_the_assistant_serve_drafts_with_by_default(model_path):

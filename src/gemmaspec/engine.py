@@ -25,10 +25,10 @@ import torch
 from .errors import InputError
 from .models.base import MAX_ROLLBACK, PREFILL_CHUNK
 from .multimodal import keyed
-from .request import RequestOptions
+from .request import RequestOptions, TokenLogprob
 from .sampling import Sampler, SamplingParams, ban_end_of_generation, filtered_probs
 from .speculative.adaptive import AdaptiveDraftLength
-from .speculative.drafters import DraftContext, Drafter, NoDrafter
+from .speculative.drafters import Draft, DraftContext, Drafter, NoDrafter
 from .speculative.stats import SpecStats, TokenSource
 from .speculative.verify import verify_round
 from .streaming import StopChecker
@@ -65,22 +65,6 @@ class RequestStats:
         if self.generated_tokens < 2 or self.decode_ms <= 0:
             return f"decode n/a ({self.generated_tokens} token{'' if self.generated_tokens == 1 else 's'})"
         return f"decode {self.decode_tps:.1f} tokens/s"
-
-
-@dataclass
-class TokenLogprob:
-    """A generated token's log-probability under the model (natural log, before sampling filters)
-    and the ``top`` most likely ``(id, logprob)`` pairs at its position, most likely first.
-
-    With ``probs`` True (llama-server's ``post_sampling_probs``) the values are instead probabilities
-    in the distribution the token was drawn from (after penalties, top-k, top-p, min-p and
-    temperature): ``logprob`` holds the token's probability there (0 if it was not a candidate) and
-    ``top`` the most likely candidates with probabilities above 0."""
-
-    token: int
-    logprob: float
-    top: list
-    probs: bool = False
 
 
 @dataclass
@@ -215,6 +199,7 @@ class RequestState:
         self.done = False
         self.reused = 0
         self._round: RoundInFlight | None = None
+        self.last_verdict = (0, 0)  # (drafts verified, drafts accepted) of the last finished round
         self._t1 = self._t_last = 0.0
 
     # ------------------------------------------------------------------------------------------
@@ -287,19 +272,41 @@ class RequestState:
         two requests' keys is KV they share."""
         return keyed(self.tokens, self.images)
 
-    def begin_round(self) -> RoundInput:
-        """Ask the drafter for this round's drafts; returns what the target must run."""
-        if self.done or self._round is not None:
-            raise RuntimeError("begin_round() on a finished request or with a round in flight")
-        start = self.cache.length  # == len(tokens) - 1: the pending token is not cached yet
-        # tokens the context can still take: a round keeps its accepted drafts plus one target token,
-        # so at most room - 1 drafts, and plain decoding's output is never exceeded at the limit
+    def draft_room(self, n: int | None = None) -> int:
+        """Most draft tokens this round may verify: ``n`` (default: the request's ``n_max``, or for
+        ``auto`` its controller's cap), and one fewer than the context still holds and than
+        ``max_tokens`` leaves (a round keeps its accepted drafts plus one target token, so plain
+        decoding's output is never exceeded at a limit)."""
         room = self.ctx_size - len(self.tokens)
         left = self.options.tokens_left(self.stats.generated_tokens)
         remaining = room if left is None else left
+        if n is None:
+            n = self.controller.n_cap if self.controller else self.options.n_max
+        return max(0, min(n, room - 1, remaining - 1))
+
+    def fixed_n(self) -> int:
+        """The draft length this round when nobody chooses it for the batch: ``n_max``, or the
+        controller's choice for ``auto``, within :meth:`draft_room`."""
+        return self.draft_room(self.controller.choose() if self.controller else None)
+
+    def draft_context(self) -> DraftContext:
+        """What the drafter sees this round (the tokens so far, the target's last hidden state, the image
+        placeholder ids n-gram lookup skips)."""
+        return DraftContext(self.tokens, self.hidden, self.non_text)
+
+    def begin_round(self, draft: Draft | None = None) -> RoundInput:
+        """Start a round; returns what the target must run. Without ``draft`` the drafter is asked for
+        :meth:`fixed_n` tokens; a caller that drafted for the request (the server's batched drafting)
+        passes its :class:`~gemmaspec.speculative.drafters.Draft`, cut to :meth:`draft_room`."""
+        if self.done or self._round is not None:
+            raise RuntimeError("begin_round() on a finished request or with a round in flight")
+        start = self.cache.length  # == len(tokens) - 1: the pending token is not cached yet
         t_round = time.perf_counter()
-        k = max(0, min(self.controller.choose() if self.controller else self.options.n_max, room - 1, remaining - 1))
-        draft = self.drafter.propose(DraftContext(self.tokens, self.hidden, self.non_text), k) if k > 0 else None
+        if draft is None:
+            k = self.fixed_n()
+            draft = self.drafter.propose(self.draft_context(), k) if k > 0 else None
+        else:
+            k = self.draft_room()
         t_drafted = time.perf_counter()
         drafts = list(draft.tokens[:k]) if draft else []
         if self.constraint is not None and drafts:  # a draft token the grammar forbids ends the draft
@@ -352,6 +359,7 @@ class RequestState:
         self.tokens.extend(new[:kept])
         st.generated_tokens += kept
         st.spec.record(len(drafts), min(verdict.n_accepted, kept), rnd.source)
+        self.last_verdict = (len(drafts), verdict.n_accepted)
         self.hidden = out.hidden[min(kept, verdict.n_accepted)] if kept else self.hidden
         self._t_last = time.perf_counter()
         if self.controller:

@@ -26,6 +26,10 @@ class RequestOptions:
             ignores it), or ``"auto"``: chosen each round by
             :class:`~gemmaspec.speculative.adaptive.AdaptiveDraftLength` (``--spec-draft-n-max``).
         n_min: a proposal shorter than this many tokens is not verified (``--spec-draft-n-min``).
+        choose_n: ``n_max`` is an upper bound and each round's draft length is chosen for the whole
+            batch from measured costs (:mod:`gemmaspec.speculative.chooser`; the server's default),
+            instead of drafting ``n_max`` (or the per-request ``auto``) every round. Read by the
+            server's scheduler; a request run alone by :meth:`Engine.generate` drafts as before.
         p_min: the drafter's ``p_min`` for this request (0..1, llama-server's ``speculative.p_min``:
             a model drafter stops drafting below this probability), None for the drafter's own. Applied
             by whoever owns the drafter (the scheduler's slot, :meth:`Engine.generate`) and restored after.
@@ -33,7 +37,7 @@ class RequestOptions:
             log-probability under the model (natural log of the softmax of the logits, before any
             sampling filter) and the k most likely alternatives.
         post_sampling: with ``logprobs``, report probabilities in the sampling distribution instead
-            (llama-server's ``post_sampling_probs``; see :class:`~gemmaspec.engine.TokenLogprob`);
+            (llama-server's ``post_sampling_probs``; see :class:`TokenLogprob`);
             not with a ``constraint``.
         constraint: None, or a fresh :class:`~gemmaspec.grammar.Constraint` (one per request, it is
             stateful): the output follows its grammar (see :class:`~gemmaspec.engine.RequestState`).
@@ -53,6 +57,7 @@ class RequestOptions:
     _: KW_ONLY
     n_max: int | str = 0
     n_min: int = 0
+    choose_n: bool = False
     p_min: float | None = None
     logprobs: int | None = None
     post_sampling: bool = False
@@ -97,3 +102,19 @@ class RequestOptions:
             raise InputError(f"draft length must be in 0..{max_rollback - 1} or 'auto' (got {n_max})")
         if self.post_sampling and self.constraint is not None:
             raise InputError("post-sampling probabilities cannot be combined with a grammar")
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (natural log, before sampling filters)
+    and the ``top`` most likely ``(id, logprob)`` pairs at its position, most likely first.
+
+    With ``probs`` True (llama-server's ``post_sampling_probs``) the values are instead probabilities
+    in the distribution the token was drawn from (after penalties, top-k, top-p, min-p and
+    temperature): ``logprob`` holds the token's probability there (0 if it was not a candidate) and
+    ``top`` the most likely candidates with probabilities above 0."""
+
+    token: int
+    logprob: float
+    top: list
+    probs: bool = False

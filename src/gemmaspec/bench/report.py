@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .analyze import ALL, NOISE, crossover_sentence, summarize, within_noise
 from .plots import BAND, PLOT_DPI, PLOT_SIZE, PLOTS, draw_plots
+from .run import plan_summary
 
 __all__ = ["PLOTS", "PLOT_DPI", "PLOT_SIZE", "write_report", "markdown", "header", "load_results"]
 
@@ -174,7 +175,8 @@ def markdown(results: dict, s: dict) -> str:
     lines += ["Figures are defined in docs/benchmarks.md. Compare ratios measured in the same run.", ""]
     lines += ["## Crossover", ""]
     lines += [crossover_sentence(s["crossover"].get(t, {}), t) for t in targets]
-    lines += [""] + _noise_text(results) + _aggregate_vs_user(s, targets)
+    lines += [""] + ([plan_summary(results), ""] if plan_summary(results) else [])
+    lines += _noise_text(results) + _aggregate_vs_user(s, targets)
     for t in targets:
         tc = [c for c in cells if c["target"] == t]
         if tc:

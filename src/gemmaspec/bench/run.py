@@ -117,6 +117,7 @@ def run_phase(target, prompts: list[Prompt], users: int, cfg: Config, max_tokens
     done: list[dict] = []
     errors: list[BaseException] = []
     before = target.counters()
+    plan_before = target.plan_totals() if hasattr(target, "plan_totals") else None
 
     def user(u: int):
         while not stop.is_set():
@@ -164,9 +165,49 @@ def run_phase(target, prompts: list[Prompt], users: int, cfg: Config, max_tokens
     after = target.counters() if before is not None else None
     if before is not None and after is not None:
         rec["metrics_delta"] = counter_delta(before, after)
+    if plan_before is not None:  # the rounds whose draft lengths were chosen: predicted vs measured
+        plan_after = target.plan_totals()
+        if plan_after is not None:
+            rec["planner"] = plan_delta(plan_before, plan_after)
     if hasattr(target, "memory"):
         rec["memory"] = target.memory()
     return rec
+
+
+def plan_delta(before: dict, after: dict) -> dict:
+    """A phase's share of the planner totals (``rounds``, ``predicted_tokens``, ``predicted_seconds``,
+    ``tokens``, ``seconds``, and ``chosen_n`` {n: slot-rounds} where the target reports it)."""
+    out = {k: v - before.get(k, 0) for k, v in after.items() if not isinstance(v, dict)}
+    if "chosen_n" in after:
+        b = before.get("chosen_n") or {}
+        out["chosen_n"] = {n: c - b.get(n, 0) for n, c in after["chosen_n"].items() if c - b.get(n, 0)}
+    return out
+
+
+def plan_summary(results: dict) -> str:
+    """One line for report.md: per configuration and user count whose draft lengths were chosen, the
+    mean length chosen and the cost model's tokens/s against the measured (of those rounds); "" when
+    none was."""
+    acc: dict[tuple, dict] = {}
+    for ph in results.get("phases", []):
+        pl = ph.get("planner") or {}
+        if not pl.get("rounds"):
+            continue
+        a = acc.setdefault((ph["config"], ph["users"]), {"pt": 0.0, "ps": 0.0, "t": 0.0, "s": 0.0, "n": {}})
+        a["pt"] += pl["predicted_tokens"]
+        a["ps"] += pl["predicted_seconds"]
+        a["t"] += pl["tokens"]
+        a["s"] += pl["seconds"]
+        for n, c in (pl.get("chosen_n") or {}).items():
+            a["n"][int(n)] = a["n"].get(int(n), 0) + c
+    parts = []
+    for (cfg, users), a in sorted(acc.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        rounds = sum(a["n"].values())
+        mean = f"mean n {sum(n * c for n, c in a['n'].items()) / rounds:.2f}, " if rounds else ""
+        parts.append(f"{cfg}, {users} user(s): {mean}predicted {a['pt'] / a['ps']:.1f} tokens/s, measured "
+                     f"{a['t'] / a['s']:.1f}" if a["ps"] and a["s"] else f"{cfg}, {users} user(s): -")
+    return ("Draft lengths chosen per round (cost model's prediction vs measured, in those rounds): "
+            + "; ".join(parts) + ".") if parts else ""
 
 
 def counter_delta(before: dict, after: dict) -> dict:

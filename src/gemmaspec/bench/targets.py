@@ -59,8 +59,22 @@ def file_sha256(path) -> str | None:
 
 
 def spec_label(spec_type: str, n_max) -> str:
-    """``none`` for no speculation (n_max 0), else ``SPEC n=N``."""
+    """``none`` for no speculation (n_max 0), else ``SPEC n=N`` (``n=chooseN``: each round's length
+    chosen per slot from measured costs, up to N; the server's default)."""
     return "none" if n_max == 0 else f"{spec_type} n={n_max}"
+
+
+def choose_bound(n_max) -> int | None:
+    """N of a ``chooseN`` draft length (chosen per round, up to N), else None (a fixed length or auto)."""
+    m = re.fullmatch(r"choose(\d+)", str(n_max))
+    return int(m.group(1)) if m else None
+
+
+PLAN_COUNTERS = {"rounds": "gemmaspec_spec_planned_rounds_total",
+                 "predicted_tokens": "gemmaspec_spec_predicted_tokens_total",
+                 "predicted_seconds": "gemmaspec_spec_predicted_seconds_total",
+                 "tokens": "gemmaspec_spec_round_tokens_total", "seconds": "gemmaspec_spec_round_seconds_total"}
+"""``gemmaspec serve``'s counters of rounds whose draft lengths were chosen, by :class:`~gemmaspec.speculative.planner.PlanTotals` field."""
 
 
 # -- gemmaspec in this process ---------------------------------------------------------------------
@@ -176,7 +190,9 @@ class InProcessTarget:
         def emit(item):
             inbox.put((time.perf_counter(), item))
 
-        job = Job(ids, RequestOptions(params, n_max=n_max), emit, name="bench")
+        bound = choose_bound(n_max)
+        opts = RequestOptions(params, n_max=n_max if bound is None else bound, choose_n=bound is not None)
+        job = Job(ids, opts, emit, name="bench")
         sched.submit(job)
         arrivals, tokens, text = [], [], []
         while True:
@@ -215,6 +231,18 @@ class InProcessTarget:
 
     def counters(self):
         return None
+
+    def plan_totals(self) -> dict:
+        """The schedulers' totals of rounds whose draft lengths were chosen (summed; a phase uses one)."""
+        out = {k: 0 for k in PLAN_COUNTERS}
+        out["chosen_n"] = {}
+        for sched in self.schedulers.values():
+            t = sched.planner.totals.as_dict() if sched.planner is not None else {}
+            for k in PLAN_COUNTERS:
+                out[k] += t.get(k, 0)
+            for n, c in t.get("chosen_n", {}).items():
+                out["chosen_n"][n] = out["chosen_n"].get(n, 0) + c
+        return out
 
     def describe(self) -> dict:
         e = self.engine
@@ -358,12 +386,32 @@ class UrlTarget:
         c = parse_metrics(r.text)
         return c if "draft_n" in c else None
 
+    def plan_totals(self) -> dict | None:
+        """``gemmaspec serve``'s totals of rounds whose draft lengths were chosen (:data:`PLAN_COUNTERS`
+        from ``/metrics``), or None from a server without them."""
+        import httpx
+
+        try:
+            r = self.client.get(self.url + "/metrics", timeout=10)
+        except httpx.HTTPError:
+            return None
+        vals = {}
+        for line in r.text.splitlines() if r.status_code == 200 else []:
+            m = _METRIC_LINE.match(line.strip())
+            if m and not m.group(2):
+                vals[m.group(1)] = float(m.group(3))
+        if PLAN_COUNTERS["rounds"] not in vals:
+            return None
+        return {k: vals.get(name, 0.0) for k, name in PLAN_COUNTERS.items()}
+
     def request(self, p: Prompt, spec_type: str, n_max, max_tokens: int, temp: float, seed: int,
                 stop: threading.Event | None = None) -> dict:
         import httpx
 
+        bound = choose_bound(n_max)  # gemmaspec's speculative.n_fixed: other servers ignore it
         body = {"max_tokens": max_tokens, "temperature": temp, "seed": seed, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}, "speculative.n_max": n_max}
+                "stream_options": {"include_usage": True}, "speculative.n_max": n_max if bound is None else bound,
+                "speculative.n_fixed": bound is None}
         if self.model:
             body["model"] = self.model
         if p.messages:
@@ -495,7 +543,7 @@ ids as gemmaspec's tokenizer and chat template make them when ``encode`` is give
 
     def request(self, p: Prompt, spec_type: str, n_max, max_tokens: int, temp: float, seed: int,
                 stop: threading.Event | None = None) -> dict:
-        n = 0 if n_max == 0 else (3 if n_max == "auto" else int(n_max))
+        n = 0 if n_max == 0 else (3 if n_max == "auto" else choose_bound(n_max) or int(n_max))  # chooseN: N
         msg = {"prompt": p.prompt, "messages": p.message_dicts() if p.messages else None, "n_max": n,
                "ids": self.encode(p) if self.encode else None,
                "max_tokens": max_tokens, "temp": temp, "seed": seed}

@@ -130,6 +130,10 @@ def add_spec(p: argparse.ArgumentParser) -> None:
                     help="assistant (draft-mtp) or draft model (draft-simple): file, directory or known model name")
     sp.add_argument("--spec-ngram-size", type=int, default=4, help="longest n-gram to match (default 4)")
     sp.add_argument("--spec-ngram-min", type=int, default=1, help="shortest n-gram that counts (default 1)")
+    sp.add_argument("--spec-ngram-mod-n-match", type=int, default=24,
+                    help="ngram-mod: tokens hashed per entry of its shared pool (default 24, llama.cpp's)")
+    sp.add_argument("--spec-ngram-mod-n-min", type=int, default=1,
+                    help="ngram-mod: shortest draft proposed (default 1; llama.cpp's 48 is for 64-token drafts)")
 
 
 def add_sampling(p: argparse.ArgumentParser, n_default: int, n_help: str) -> None:
@@ -238,7 +242,8 @@ def spec_config(args) -> SpecConfig:
     n_max = args.spec_draft_n_max if args.spec_draft_n_max is not None else "3"
     return SpecConfig(type=args.spec_type, draft_model=args.model_draft, n_max=n_max,
                       n_min=args.spec_draft_n_min, p_min=args.spec_draft_p_min, ngram_size=args.spec_ngram_size,
-                      ngram_min=args.spec_ngram_min).checked()
+                      ngram_min=args.spec_ngram_min, ngram_mod_n_match=args.spec_ngram_mod_n_match,
+                      ngram_mod_n_min=args.spec_ngram_mod_n_min).checked()
 
 
 def spec_plan(args, metadata: bool = False):

@@ -55,8 +55,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"comma-separated drafters to measure ({', '.join(t for t in SPEC_TYPES if t != 'none')}; "
                         "a drafter list joined by +, e.g. ngram-simple+draft-mtp: n-gram lookup where it matches, the "
                         "assistant elsewhere; default: the -md files' types, else 'default' in-process; a label with --url)")
-    b.add_argument("--spec-draft-n-max", default="0,1,2,3,4,auto",
-                   help="draft lengths to sweep; 0 (no speculation, the baseline) is always run (default 0,1,2,3,4,auto)")
+    b.add_argument("--spec-draft-n-max", default="0,1,2,3,4,auto,choose3",
+                   help="draft lengths to sweep; 0 (no speculation, the baseline) is always run; chooseN: each round's "
+                        "length chosen per slot from measured costs, up to N (the server's default); "
+                        "default 0,1,2,3,4,auto,choose3")
     b.add_argument("--spec-draft-p-min", type=float, default=None,
                    help="p-min of the model drafters (draft-simple, draft-mtp; in process): a round stops at a draft "
                         "below it (default: each drafter's, 0.3 for the assistant gemmaspec ships for the default "
@@ -95,6 +97,20 @@ def _int_list(value: str, flag: str) -> list[int]:
     return sorted(dict.fromkeys(out))
 
 
+def _n_value(text: str):
+    """One ``--spec-draft-n-max`` entry: a length, ``auto``, or ``chooseN`` (``choose``: choose3).
+
+    Raises:
+        InputError: anything else.
+    """
+    if text.startswith("choose"):
+        bound = parse_n_max(text[6:] or "3", "--spec-draft-n-max chooseN")
+        if bound in (0, "auto"):
+            raise InputError(f"--spec-draft-n-max: chooseN needs a bound N of 1 or more (got {text})")
+        return f"choose{bound}"
+    return parse_n_max(text)
+
+
 def parse_settings(args) -> dict:
     """Checks the flags; returns the normalised settings.
 
@@ -112,7 +128,7 @@ def parse_settings(args) -> dict:
         raise InputError(f"--max-tokens must be at least 2 (got {opt['max_tokens']})")
     if args.temp < 0:
         raise InputError(f"--temp must be >= 0 (got {args.temp})")
-    n_max = [parse_n_max(x.strip()) for x in args.spec_draft_n_max.split(",") if x.strip()]
+    n_max = [_n_value(x.strip()) for x in args.spec_draft_n_max.split(",") if x.strip()]
     n_max = [0] + [n for n in dict.fromkeys(n_max) if n != 0]
     if args.spec_type:
         types = [t.strip() for t in args.spec_type.split(",") if t.strip()]

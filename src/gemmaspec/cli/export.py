@@ -159,6 +159,9 @@ def build_command(args) -> list[str]:
             cmd += ["--spec-type", spec, "--spec-draft-n-max", str(n)]
             if drafter_plan.spec.n_min:
                 cmd += ["--spec-draft-n-min", str(drafter_plan.spec.n_min)]
+            if "ngram-mod" in spec:  # llama.cpp's own drafter: the same settings
+                cmd += ["--spec-ngram-mod-n-match", str(drafter_plan.spec.ngram_mod_n_match),
+                        "--spec-ngram-mod-n-min", str(drafter_plan.spec.ngram_mod_n_min)]
             if draft_file:
                 cmd += _llama_model("-md", "--hf-repo-draft", "--hf-file-draft", draft_file, draft_entry)
                 if drafter_plan.p_min:
@@ -216,6 +219,8 @@ def _dropped(server: str, spec: str, drafter_plan) -> list[str]:
     s, out = drafter_plan.spec, []
     if "ngram-simple" in spec and server == "llama-server" and (s.ngram_size, s.ngram_min) != (4, 1):
         out.append(f"--spec-ngram-size {s.ngram_size} / --spec-ngram-min {s.ngram_min}")
+    if server != "llama-server" and "ngram-mod" in spec:
+        out.append("--spec-type ngram-mod (llama.cpp's drafter; none here: no speculation)")
     if server != "llama-server" and s.n_min:
         out.append(f"--spec-draft-n-min {s.n_min}")
     if server != "llama-server" and spec_model_type(spec) and drafter_plan.p_min:

@@ -18,6 +18,10 @@ from ..errors import InputError, ModelFileError
 from .args import (add_common, add_spec, memory_estimate, read_target, refuse, sampling_params, seed_arg,
                    setup_logging, spec_plan)
 
+CHOSEN_N_MAX = 8
+"""``--spec-draft-n-max`` of ``serve`` when not given and the draft length is chosen per round (measured:
+at one user as good as ``auto``, whose cap this is; at four users drafting less by itself, docs/server.md)."""
+
 LLAMA_FLAGS_REFUSED_SERVE = {
     ("-cb", "--cont-batching", "-nocb", "--no-cont-batching"): "the -np slots are always batched together",
 }
@@ -75,6 +79,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("-s", "--seed", type=seed_arg, default=None,
                    help="seed (default -1: a random seed per request); any integer, wrapped to 32 bits as llama.cpp does")
     add_spec(s)
+    s.add_argument("--spec-draft-n-fixed", action="store_true",
+                   help="draft --spec-draft-n-max tokens every round, as llama-server does (default: each round's draft "
+                        "length is chosen per slot, 0 included, from measured costs, up to --spec-draft-n-max, "
+                        "which is then 8 unless given)")
     refuse(s, LLAMA_FLAGS_REFUSED_SERVE)
     return s
 
@@ -184,6 +192,10 @@ def serve(args) -> int:
         raise InputError(f"-np must be at least 1 (got {args.parallel})")
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in 0..65535 (got {args.port})")
+    if args.spec_draft_n_max is None and not args.spec_draft_n_fixed:
+        # the bound of the length chosen each round: the adaptive length's cap (the catalog's lengths are
+        # fixed ones'); one user drafts long where it pays, the batch's choice keeps load in check
+        args.spec_draft_n_max = str(CHOSEN_N_MAX)
     drafter_plan = spec_plan(args)  # bad speculative flags are refused before listening
     if args.api_key is not None and not args.api_key.strip():
         raise InputError("--api-key must not be empty")
@@ -219,7 +231,7 @@ def serve(args) -> int:
                       cors_origins=tuple(normalize_origin(o) for o in split(args.cors_origin)), slot_save_path=slot_dir, verbose=args.verbose,
                       slots_endpoint=args.slots_endpoint, metrics_endpoint=args.metrics, ui=args.ui, tags=split([args.tags or ""]),
                       chat_template=chat_template_of(args), context_shift=args.context_shift, n_keep=args.keep,
-                      mmproj=args.mmproj)
+                      mmproj=args.mmproj, choose_n=not args.spec_draft_n_fixed)
     setup_logging(timestamps=True)
     socks: list[socket.socket] = []
     port = args.port

@@ -87,3 +87,86 @@ int gs_assistant_step(int nl, const gs_alayer *layers, const gs_prod *pre, const
     }
     return 0;
 }
+
+static inline void prodm(const gs_prod *p, int K, const float *x, int M, float *y, int nthreads, int act_q8) {
+    qmatmul_multi(p->nseg, p->fmts, p->ws, p->ss, p->os, p->Gs, p->Ns, K, x, NULL, M, y, nthreads, act_q8);
+}
+
+/* The greedy pick of a reduced head for one row of scores: gs_assistant_step's. */
+static void head_pick(const float *scores, int n_head, const int64_t *token_map, int64_t *best, float *p_best) {
+    float mx = scores[0];
+    int64_t tok = token_map[0];
+    for (int i = 1; i < n_head; i++) {
+        if (scores[i] > mx) mx = scores[i], tok = token_map[i];
+        else if (scores[i] == mx && token_map[i] < tok) tok = token_map[i];
+    }
+    *best = tok;
+    if (p_best) {
+        double z = 0.0;
+        for (int i = 0; i < n_head; i++) z += exp((double)scores[i] - (double)mx);
+        *p_best = (float)(1.0 / z);
+    }
+}
+
+/* One draft step for B sequences at once (several slots' rounds): row b reads its own target K/V, mask
+ * and RoPE (layers[b * nl + l]: row b's layer l; the weights are read from row 0's), and every product
+ * runs over the B rows together, so the weights are read once per step instead of once per slot. Every
+ * operation is gs_assistant_step's on each row (the products are batch-invariant, the norms, RoPE and
+ * attention work row by row), so row b's bits are those of gs_assistant_step on it alone. in [B, 2 Hb];
+ * writes hidden [B, D], next_h [B, Hb] and, with a head, best [B] and p_best [B]. B <= 16 (the kernel's
+ * batch-invariant row count). Returns 0, or -1 as gs_assistant_step. */
+int gs_assistant_steps(int B, int nl, const gs_alayer *layers, const gs_prod *pre, const gs_prod *post,
+                       const float *out_norm, const float *in, int Hb, int D, int hq, int hkv, int F, float eps,
+                       float *hidden, float *next_h, const gs_prod *head, int n_head, const int64_t *token_map,
+                       int64_t *best, float *p_best, int nthreads, int act_q8) {
+    if (B < 1 || B > 16) return -1;
+    int maxhd = 0;
+    for (int l = 0; l < nl; l++) maxhd = layers[l].hd > maxhd ? layers[l].hd : maxhd;
+    const size_t qn = (size_t)hq * maxhd, b = (size_t)B;
+    float *buf = (float *)malloc(sizeof(float) * b * (4 * (size_t)D + 3 * qn + 6 * (size_t)F));
+    if (!buf) return -1;
+    float *x = buf, *h = x + b * D, *a = h + b * D, *f = a + b * D, *qv = f + b * D, *qr = qv + b * qn;
+    float *att = qr + b * qn, *gu = att + b * qn, *g = gu + b * 2 * F, *t = g + b * F;
+    prodm(pre, 2 * Hb, in, B, x, nthreads, act_q8);
+    for (int l = 0; l < nl; l++) {
+        const gs_alayer *ly = &layers[l];
+        const int d = ly->hd;
+        const long ld = (long)hq * d;
+        gs_rms_norm(x, ly->attn_norm, B, D, eps, h);
+        prodm(&ly->q, D, h, B, qv, nthreads, act_q8);
+        for (int r = 0; r < B; r++) {
+            const gs_alayer *lr = &layers[(size_t)r * nl + l];
+            gs_norm_rope(qv + r * ld, ld, 1, hq, d, ly->q_norm, hq, ly->q_norm, lr->cos, lr->sin, eps, qr + r * ld);
+            if (gs_attention(qr + r * ld, ld, 1, hq, hkv, d, lr->k, lr->v, lr->L, lr->mask, 1.f, 0.f,
+                             att + r * ld) != 0) {
+                free(buf);
+                return -1;
+            }
+        }
+        prodm(&ly->o, hq * d, att, B, a, nthreads, act_q8);
+        gs_add_rms_norm(a, ly->post_attn_norm, B, D, eps, x, x);
+        gs_rms_norm(x, ly->ffn_norm, B, D, eps, h);
+        prodm(&ly->gate, D, h, B, g, nthreads, act_q8);
+        prodm(&ly->up, D, h, B, t, nthreads, act_q8);
+        for (int r = 0; r < B; r++) { /* [gate | up] per row, as the one-row step lays them out */
+            memcpy(gu + (size_t)r * 2 * F, g + (size_t)r * F, sizeof(float) * (size_t)F);
+            memcpy(gu + (size_t)r * 2 * F + F, t + (size_t)r * F, sizeof(float) * (size_t)F);
+        }
+        gs_gelu_mul(gu, 2L * F, B, F, g);
+        prodm(&ly->down, F, g, B, f, nthreads, act_q8);
+        gs_add_rms_norm(f, ly->post_ffn_norm, B, D, eps, x, x);
+        for (size_t i = 0; i < b * D; i++) x[i] = x[i] * ly->out_scale;
+    }
+    gs_rms_norm(x, out_norm, B, D, eps, hidden);
+    prodm(post, D, hidden, B, next_h, nthreads, act_q8);
+    free(buf);
+    if (head) {
+        float *scores = (float *)malloc(sizeof(float) * b * (size_t)n_head);
+        if (!scores) return -1;
+        prodm(head, D, hidden, B, scores, nthreads, act_q8);
+        for (int r = 0; r < B; r++)
+            head_pick(scores + (size_t)r * n_head, n_head, token_map, best + r, p_best ? p_best + r : NULL);
+        free(scores);
+    }
+    return 0;
+}

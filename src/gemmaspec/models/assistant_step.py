@@ -132,3 +132,66 @@ def run_step(assistant, x_embed: torch.Tensor, h: torch.Tensor, kv: dict, rope: 
     if rc != 0:
         return None
     return hidden, next_h, (int(best[0]), float(p_best[0])) if use_head else None
+
+
+def run_steps(assistant, x_embed: torch.Tensor, h: torch.Tensor, kvs: list, ropes: list):
+    """One draft step for B sequences in one call of ``gs_assistant_steps``: ``(hidden float32 [B, H],
+    next h float32 [B, Hb], tokens [B], probabilities [B])``, row b's bits those of :func:`run_step`
+    on row b alone (tokens and probabilities as its reduced head gives them). None where the batched
+    C step does not apply (as :func:`run_step`, or a head that is not a reduced block-quantized one);
+    the caller then steps each row alone.
+
+    Args:
+        x_embed, h: float32 [B, Hb], 1 <= B <= 16.
+        kvs: per row, per layer type: (keys [L, Hkv, D], values, mask bool [1, L] or None).
+        ropes: per row, per layer type: (cos, sin) float32 [1, D] at that row's draft position.
+    """
+    if torch.is_grad_enabled() or x_embed.device.type != "cpu" or x_embed.dtype != torch.float32:
+        return None
+    n = x_embed.shape[0]
+    lib = kernels.load_library()
+    if lib is None or not hasattr(lib, "gs_assistant_steps") or not 1 <= n <= 16 or len(kvs) != n:
+        return None
+    q8 = kernels.act_quant() == "q8_0"
+    static = _static(assistant, lib, q8)
+    if static is None or static[3] is None:
+        return None
+    if kernels._bg_ready:
+        kernels.sync_layouts([o for w in assistant.weights.values() if isinstance(w, CPUBlockWeight)
+                              for o in w._segment_owners()])
+    base, pre, post, head = static
+    c = assistant.config
+    nl = c.num_layers
+    arr = (_ALayer * (n * nl))()
+    keep = []  # the contiguous RoPE rows the C call reads
+    for r in range(n):
+        tables = {}
+        for kind, (keys, values, mask) in kvs[r].items():
+            if not (_plain(keys) and _plain(values)) or (mask is not None and not mask.is_contiguous()):
+                return None
+            tables[kind] = tuple(t.contiguous() for t in ropes[r][kind])
+        keep.append(tables)
+        ctypes.memmove(ctypes.addressof(arr) + r * ctypes.sizeof(base), base, ctypes.sizeof(base))
+        for i in range(nl):
+            kind = c.layer_types[i]
+            keys, values, mask = kvs[r][kind]
+            cos, sin = tables[kind]
+            ly = arr[r * nl + i]
+            ly.k, ly.v, ly.L = keys.data_ptr(), values.data_ptr(), keys.shape[0]
+            ly.mask = None if mask is None else mask.data_ptr()
+            ly.cos, ly.sin = cos.data_ptr(), sin.data_ptr()
+    inp = torch.cat([x_embed.reshape(n, -1), h.reshape(n, -1)], dim=1).contiguous()
+    hb = assistant.backbone_hidden_size
+    hidden = torch.empty(n, c.hidden_size, dtype=torch.float32)
+    next_h = torch.empty(n, hb, dtype=torch.float32)
+    best = torch.full((n,), -1, dtype=torch.int64)
+    p_best = torch.zeros(n, dtype=torch.float32)
+    rc = lib.gs_assistant_steps(n, nl, ctypes.addressof(arr), ctypes.addressof(pre), ctypes.addressof(post),
+                                assistant.weights["output_norm.weight"].data_ptr(), inp.data_ptr(), hb,
+                                c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size, c.rms_norm_eps,
+                                hidden.data_ptr(), next_h.data_ptr(), ctypes.addressof(head[0]), head[1].numel(),
+                                head[1].data_ptr(), best.data_ptr(), p_best.data_ptr(), kernels.threads(), int(q8))
+    del keep
+    if rc != 0:
+        return None
+    return hidden, next_h, best.tolist(), p_best.tolist()

@@ -188,6 +188,48 @@ class Gemma4Assistant:
         t = self.draft_token(hidden)
         return t, float(probs.max()), next_h
 
+    def draft_steps(self, x_embed: torch.Tensor, h: torch.Tensor, positions: list[int], kvs: list[dict],
+                    ropes: list[dict] | None = None, probs: bool = True) -> tuple[list[int], list, torch.Tensor]:
+        """One draft step for several sequences at once (several slots drafting in the same round):
+        ``(tokens, probabilities, next h float32 [B, Hb])``, row b exactly :meth:`draft_step_p` on
+        row b alone. On the CPU with the C kernel and a reduced block-quantized head, the rows run
+        together in one call (``gs_assistant_steps``: the products over all rows at once, 16 rows per
+        call at most); otherwise row by row.
+
+        Args:
+            x_embed, h: float32 [B, Hb] (see :meth:`step`).
+            positions: each row's draft position p.
+            kvs: each row's target K/V (as :meth:`step`'s ``kv``).
+            ropes: each row's :meth:`rope_at` (computed when None).
+            probs: whether the probabilities are needed (a p-min to compare): row by row without
+                them, each row runs :meth:`draft_step` (the same token, no softmax) and gets None.
+        """
+        ropes = [self.rope_at(p) for p in positions] if ropes is None else ropes
+        n = x_embed.shape[0]
+        if self.device.type == "cpu":
+            from .assistant_step import run_steps
+
+            toks, ps, hs = [], [], []
+            for i in range(0, n, 16):
+                got = run_steps(self, x_embed[i:i + 16], h[i:i + 16], kvs[i:i + 16], ropes[i:i + 16])
+                if got is None:
+                    break
+                toks += got[2]
+                ps += got[3]
+                hs.append(got[1])
+            else:
+                return toks, ps, torch.cat(hs) if hs else h[:0].clone()
+        toks, ps, hs = [], [], []
+        for i in range(n):
+            if probs:
+                t, p, nh = self.draft_step_p(x_embed[i], h[i], positions[i], kvs[i], ropes[i])
+            else:
+                (t, nh), p = self.draft_step(x_embed[i], h[i], positions[i], kvs[i], ropes[i]), None
+            toks.append(t)
+            ps.append(p)
+            hs.append(nh)
+        return toks, ps, torch.stack(hs)
+
     def _step(self, x_embed, h, position, kv, rope, token: bool):
         rope = self.rope_at(position) if rope is None else rope
         if self.device.type == "cpu":

@@ -16,7 +16,10 @@ class ServeConfig:
     ``spec``: the speculative settings (``--spec-type``, ``-md``, ``--spec-draft-*``, ``--spec-ngram-*``)
     as every front end has them; :func:`gemmaspec.speculative.plan.plan` decides the drafter from them
     when the model loads (type None: the default speculation for the model). ``spec.n_max`` and
-    ``spec.n_min`` are also the defaults of a request's ``speculative.n_max`` / ``n_min``.
+    ``spec.n_min`` are also the defaults of a request's ``speculative.n_max`` / ``n_min``. ``choose_n``
+    (default; ``--spec-draft-n-fixed`` turns it off): ``n_max`` is an upper bound and each round's draft
+    length is chosen per slot for the whole batch from measured costs (a request's
+    ``speculative.n_fixed: true`` drafts its ``n_max`` every round instead).
     ``defaults`` are the sampling settings a request gets for the fields it leaves out (``--temp``,
     ``--seed``...); ``n_predict`` (``-n``) the token limit for every endpoint (None: 16 for
     ``/v1/completions``, no limit for chat and ``/completion``). ``allowed_hosts``, ``cors_origins`` and
@@ -55,4 +58,5 @@ class ServeConfig:
     context_shift: bool = False
     n_keep: int = 0
     mmproj: str | None = None
+    choose_n: bool = True
 

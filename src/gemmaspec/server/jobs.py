@@ -27,7 +27,7 @@ from .apierror import APIError
 from .responses import Formatter, NativeFormatter, sse, sse_error, usage_dict
 from .scheduler import Job
 from .state import ServerState
-from .translate import check_context, spec_overrides
+from .translate import check_context, spec_choose, spec_overrides
 
 _groups = itertools.count(1)  # numbers of requests that run several jobs (Job.group)
 
@@ -92,7 +92,8 @@ async def submit(st: ServerState, req, kind: str, ids: list[int], params: Sampli
             pass
 
     name = getattr(fmt, "id", None) or f"cmpl-{uuid.uuid4().hex[:24]}"
-    options = RequestOptions(params, n_max=n_max, n_min=n_min, p_min=p_min, logprobs=logprobs, constraint=constraint,
+    options = RequestOptions(params, n_max=n_max, n_min=n_min, p_min=p_min, choose_n=spec_choose(req, st.cfg),
+                             logprobs=logprobs, constraint=constraint,
                              post_sampling=bool(getattr(req, "post_sampling_probs", False)),
                              context_shift=st.cfg.context_shift,
                              n_keep=st.cfg.n_keep if req.n_keep is None else req.n_keep, n_discard=req.n_discard)

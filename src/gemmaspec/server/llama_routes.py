@@ -94,7 +94,7 @@ async def props(st: ServerState = Depends(loaded)):
         "is_base_model": is_base(e.tokenizer), "model_has_chat_template": not is_base(e.tokenizer),
         "speculative": {"type": m.spec_type, "n_max": cfg.spec.n_max, "n_min": cfg.spec.n_min, "p_min": m.p_min,
                         "ngram_size": cfg.spec.ngram_size, "ngram_min": cfg.spec.ngram_min,
-                        "draft_model": m.draft_file},
+                        "draft_model": m.draft_file, "n_chosen": cfg.choose_n},
     }
 
 

@@ -18,6 +18,14 @@ The same figures under llama-server's names too, so its dashboards work: ``llama
 (the longest sequence seen, prompt + generated),
 ``llamacpp:n_busy_slots_per_decode`` and ``llamacpp:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total``,
 ``llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position}``.
+
+The draft lengths chosen per round from measured costs (:mod:`gemmaspec.speculative.chooser`):
+histogram ``gemmaspec_spec_draft_n_chosen`` (one observation per slot and round), gauge
+``gemmaspec_spec_draft_n{slot}`` (the slot's last), counters ``gemmaspec_spec_planned_rounds_total``,
+``gemmaspec_spec_predicted_tokens_total`` / ``gemmaspec_spec_predicted_seconds_total`` (what the cost model
+expected of those rounds) and ``gemmaspec_spec_round_tokens_total`` / ``gemmaspec_spec_round_seconds_total``
+(what they kept and took), gauges ``gemmaspec_spec_predicted_tokens_per_second`` and
+``gemmaspec_spec_measured_tokens_per_second`` (the last such round).
 """
 
 from __future__ import annotations
@@ -45,6 +53,26 @@ class Metrics:
                               buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
         self.batch_size = Histogram("gemmaspec_forward_batch_size", "Requests sharing one target forward",
                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+        # the draft length chosen per slot and round from measured costs (speculative/chooser.py)
+        self.chosen = Histogram("gemmaspec_spec_draft_n_chosen", "Draft length chosen for a slot's round",
+                                buckets=(0, 1, 2, 3, 4, 6, 8, 12, 15), registry=r)
+        self.slot_n = Gauge("gemmaspec_spec_draft_n", "Draft length chosen for the slot's last round",
+                            ["slot"], registry=r)
+        self.plan_rounds = Counter("gemmaspec_spec_planned_rounds", "Rounds whose draft lengths were chosen",
+                                   registry=r)
+        self.pred_tokens = Counter("gemmaspec_spec_predicted_tokens", "Tokens the cost model expected of them",
+                                   registry=r)
+        self.pred_seconds = Counter("gemmaspec_spec_predicted_seconds", "Seconds the cost model expected of them",
+                                    registry=r)
+        self.round_tokens = Counter("gemmaspec_spec_round_tokens", "Tokens those rounds kept", registry=r)
+        self.round_seconds = Counter("gemmaspec_spec_round_seconds", "Seconds those rounds took (drafting "
+                                     "included)", registry=r)
+        self._rates = [0.0, 0.0]
+        Gauge("gemmaspec_spec_predicted_tokens_per_second", "The cost model's tokens/s for the last chosen round",
+              registry=r).set_function(lambda: self._rates[0])
+        Gauge("gemmaspec_spec_measured_tokens_per_second", "Measured tokens/s of the last chosen round",
+              registry=r).set_function(lambda: self._rates[1])
+        self._plan_seen = None
         Gauge("gemmaspec_requests_running", "Requests in a slot", registry=r).set_function(running)
         Gauge("gemmaspec_requests_waiting", "Requests queued for a slot", registry=r).set_function(waiting)
         # llama-server's names
@@ -79,6 +107,23 @@ class Metrics:
         self.l_decode.inc()
         self._decodes += 1
         self._busy += busy
+
+    def planned(self, planner) -> None:
+        """Count the round a :class:`~gemmaspec.speculative.planner.RoundPlanner` just finished: the
+        lengths chosen and its totals (predicted and measured tokens and seconds)."""
+        t = planner.totals
+        if t.rounds == (self._plan_seen or [0])[0]:
+            return
+        before = self._plan_seen or [0, 0.0, 0.0, 0, 0.0]
+        now = [t.rounds, t.predicted_tokens, t.predicted_seconds, t.tokens, t.seconds]
+        for counter, a, b in zip((self.plan_rounds, self.pred_tokens, self.pred_seconds, self.round_tokens,
+                                  self.round_seconds), now, before):
+            counter.inc(max(0, a - b))
+        self._plan_seen = now
+        for slot, n in planner.round_choices():
+            self.chosen.observe(n)
+            self.slot_n.labels(str(slot)).set(n)
+        self._rates[:] = planner.last_rate
 
     def record(self, job) -> None:
         """Count a finished (or cancelled) request: its tokens and speculative rounds."""

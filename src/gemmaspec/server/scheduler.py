@@ -6,7 +6,10 @@ engine's round logic (draft → verify → stop checks → rollback) with ``gemm
 
 1. admit queued requests (FIFO; a request's further choices or prompts yield to other requests) into
    free slots and prefill them, one at a time;
-2. ask every active slot for its round's tokens (``begin_round``: the pending token + drafts);
+2. plan every active slot's round (:class:`~gemmaspec.speculative.planner.RoundPlanner`): each slot's
+   draft length chosen for the whole batch from measured costs (a request with ``choose_n`` off
+   drafts its own fixed length), the MTP assistant drafting for all slots at once, then
+   ``begin_round`` with the draft (the pending token + drafts);
 3. run all of them in one target forward (``model.forward_batch``; a model without it runs the
    slots one forward at a time);
 4. finish each slot's round (``finish_round``), hand its events to the request's listener, and free
@@ -33,6 +36,7 @@ from ..engine import Engine, Event, RequestState, RequestStats
 from ..errors import GemmaspecError
 from ..multimodal import keyed
 from ..request import RequestOptions
+from ..speculative.planner import RoundPlanner
 
 log = logging.getLogger("gemmaspec.server")
 _ids = itertools.count(1)
@@ -171,6 +175,7 @@ class Scheduler:
         self.engine: Engine | None = None
         self.slots: list[Slot] = []
         self.batched = False
+        self.planner: RoundPlanner | None = None  # each round's drafting, built with the engine
         self.ready = threading.Event()
         self._queue: deque[Job] = deque()
         self._actions: deque[tuple[int, Callable, Future]] = deque()  # slot actions (save/restore/erase)
@@ -278,6 +283,9 @@ class Scheduler:
                     "n_decoded": st.generated_tokens if st else 0,
                     "draft_n": st.spec.drafted if st else 0,
                     "draft_n_accepted": st.spec.accepted if st else 0,
+                    # the draft length chosen for the slot's last round (speculative/planner.py)
+                    "draft_n_chosen": (self.planner.last.get(s.index) or {}).get("n"),
+                    "draft_choice": self.planner.last.get(s.index),
                     "requests_served": s.served,
                     **(describe(j, s.last) if describe and (j or s.last) else {}),
                 })
@@ -294,6 +302,7 @@ class Scheduler:
                 drafter = make_drafter(cache)
                 self.slots.append(Slot(i, cache, drafter, p_min=getattr(drafter, "p_min", None)))
             self.batched = hasattr(engine.model, "forward_batch")
+            self.planner = RoundPlanner(engine)
         except BaseException as exc:  # noqa: BLE001 - reported to the server, which exits
             if self._on_load_error:
                 self._on_load_error(exc)
@@ -371,6 +380,7 @@ class Scheduler:
 
     def _admit(self, s: Slot) -> None:
         job = s.job
+        self.planner.new_request(s.index)
         try:
             s.use_p_min(job.options.p_min)
             job.state = RequestState(self.engine, job.prompt_ids, job.options, s.drafter, job.stats, cache=s.cache,
@@ -398,15 +408,21 @@ class Scheduler:
 
     def _round(self, active: list[Slot]) -> None:
         rounds, live = [], []
-        for s in active:
-            try:
-                rounds.append(s.job.state.begin_round())
+        try:
+            begun = self.planner.begin([(s.index, s.job.state) for s in active])
+        except Exception as exc:  # noqa: BLE001 - planning itself failed: this round's requests fail
+            begun = [exc] * len(active)
+        for s, got in zip(active, begun):
+            if isinstance(got, BaseException):
+                log.error("%s: drafting failed", s.job.name, exc_info=got)
+                self._fail(s, f"internal error: {type(got).__name__}: {got}")
+            else:
+                rounds.append(got)
                 live.append(s)
-            except Exception as exc:  # noqa: BLE001
-                log.exception("%s: drafting failed", s.job.name)
-                self._fail(s, f"internal error: {type(exc).__name__}: {exc}")
         if not live:
             return
+        t_forward = time.perf_counter()
+        finished: set[int] = set()
         model = self.engine.model
         if self.metrics is not None:
             for _ in range(1 if self.batched else len(live)):
@@ -430,9 +446,13 @@ class Scheduler:
                 log.exception("%s: verification failed", job.name)
                 self._fail(s, f"internal error: {type(exc).__name__}: {exc}")
                 continue
+            finished.add(s.index)
             self._emit(job, events)
             if job.state.done:
                 self._end(s)
+        self.planner.finish(time.perf_counter() - t_forward, finished)
+        if self.metrics is not None:
+            self.metrics.planned(self.planner)
 
     def _emit(self, job: Job, events: list[Event]) -> None:
         if not events or job.cancelled:
@@ -461,7 +481,8 @@ class Scheduler:
         log.info("%s: slot %d | prompt %d tokens, prefill %.1f tokens/s | generated %d tokens, %s | "
                  "TTFT %.0f ms | finish %s | %s", job.name, s.index, st.prompt_tokens, st.prefill_tps,
                  st.generated_tokens, st.decode_text, job.ttft_ms, st.stop_reason,
-                 " | ".join([st.spec.llama_line()] + st.spec.drafter_lines()))
+                 " | ".join([st.spec.llama_line()] + st.spec.drafter_lines()
+                            + ([st.spec.chosen_text()] if st.spec.chosen_n else [])))
         if not job.cancelled:
             job.emit(("done", job))
 

@@ -59,6 +59,7 @@ def load_model(cfg: ServeConfig) -> tuple[LoadedModel, Callable]:
     """
     from ..loading.engine import load_engine
     from ..manage.default_model import default_model_path
+    from ..speculative.options import MAX_DRAFT_TOKENS
     from ..speculative.plan import build, plan
 
     t0 = time.perf_counter()
@@ -84,8 +85,11 @@ def load_model(cfg: ServeConfig) -> tuple[LoadedModel, Callable]:
         if "images" not in inspect.signature(engine.model.forward).parameters:
             raise InputError(f"{path} does not take images (only Gemma 3 targets do so far); drop --mmproj")
         log.info("vision projector %s: %d tokens per image", vision.path, vision.model.tokens_per_image)
-    if cfg.spec.n_max == "auto" and drafter_plan.spec_type != "none":
-        engine.forward_costs()
+    if drafter_plan.spec_type != "none" and (cfg.choose_n or cfg.spec.n_max == "auto"):
+        # the cost model's calibration: a forward over 1..R rows, R up to what a round of every slot
+        # drafting n_max tokens runs (16 at most: beyond, the kernel's row blocks repeat)
+        n = 8 if cfg.spec.n_max == "auto" else cfg.spec.n_max
+        engine.forward_costs(min(MAX_DRAFT_TOKENS, max(8, cfg.n_slots * (1 + n) - 1)))
     aliases = sorted({a.strip() for a in (cfg.alias or "").split(",") if a.strip()})
     model = LoadedModel(engine=engine, path=path, spec_type=drafter_plan.spec_type,
                         model_id=aliases[0] if aliases else path.name, aliases=aliases, p_min=drafter_plan.p_min,
@@ -132,9 +136,11 @@ def new_state(cfg: ServeConfig, on_ready=None, on_load_error=None) -> ServerStat
         from ..speculative.options import spec_model_type
 
         m = st.model
-        log.info("model %s loaded in %.2f s: context %d, %d slots, speculative %s (n_max %s%s)%s%s",
+        log.info("model %s loaded in %.2f s: context %d, %d slots, speculative %s (n_max %s%s)%s%s%s",
                  m.model_id, m.load_s, m.engine.ctx_size, cfg.n_slots, m.spec_type, cfg.spec.n_max,
                  f", p_min {m.p_min:g}" if spec_model_type(m.spec_type) else "",
+                 ", each round's draft length chosen per slot from measured costs, up to n_max"
+                 if cfg.choose_n and m.spec_type != "none" else "",
                  "; int8 activations (--act-quant q8_0, or auto for a model this size)" if kernels.act_quant() == "q8_0" else "",
                  "" if scheduler.batched else "; this model has no batched forward, slots take turns")
         if on_ready:

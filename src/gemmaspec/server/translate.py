@@ -300,6 +300,20 @@ def spec_overrides(req, cfg) -> tuple[int | str, int, float | None]:
     return out_max, out_min, None if p_min is None else float(p_min)
 
 
+def spec_choose(req, cfg) -> bool:
+    """Whether a request's draft lengths are chosen per round from measured costs: the server's
+    setting (``--spec-draft-n-fixed`` off), unless the request sends gemmaspec's
+    ``speculative.n_fixed: true`` (draft ``speculative.n_max`` every round).
+
+    Raises:
+        APIError: 400 for a ``speculative.n_fixed`` that is not a boolean.
+    """
+    fixed = (req.model_extra or {}).get("speculative.n_fixed")
+    if fixed is not None and not isinstance(fixed, bool):
+        raise APIError(400, f"speculative.n_fixed must be true or false (got {fixed!r})")
+    return cfg.choose_n if fixed is None else not fixed
+
+
 def chat_messages(req: ChatRequest, images: list | None = None) -> list[dict]:
     """The chat template's messages from a chat request: roles checked (``developer`` becomes
     ``system``), text content parts joined. ``tool`` messages and assistant ``tool_calls`` pass

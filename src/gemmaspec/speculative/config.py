@@ -33,6 +33,10 @@ class SpecConfig:
             None = the drafter's own (0, or the value measured for an assistant gemmaspec ships).
         ngram_size: longest n-gram the n-gram drafter matches (tokens).
         ngram_min: shortest n-gram that counts (tokens), 1 <= ngram_min <= ngram_size.
+        ngram_mod_n_match: tokens the ``ngram-mod`` drafter hashes per entry (llama.cpp's
+            ``--spec-ngram-mod-n-match``, default 24), >= 1.
+        ngram_mod_n_min: shortest ``ngram-mod`` draft proposed (tokens, >= 1; llama.cpp's
+            ``--spec-ngram-mod-n-min``, whose default 48 is for its 64-token drafts).
     """
 
     type: str | None = None
@@ -42,6 +46,8 @@ class SpecConfig:
     p_min: float | None = None
     ngram_size: int = 4
     ngram_min: int = 1
+    ngram_mod_n_match: int = 24
+    ngram_mod_n_min: int = 1
 
     def checked(self) -> SpecConfig:
         """The same settings in canonical form (type spelled as :func:`~.options.parse_spec_type` has
@@ -65,4 +71,7 @@ class SpecConfig:
         if not 1 <= self.ngram_min <= self.ngram_size:
             raise InputError(f"n-gram sizes need 1 <= min <= max (got --spec-ngram-min {self.ngram_min}, "
                              f"--spec-ngram-size {self.ngram_size})")
+        if self.ngram_mod_n_match < 1 or self.ngram_mod_n_min < 1:
+            raise InputError(f"--spec-ngram-mod-n-match and --spec-ngram-mod-n-min must be >= 1 (got "
+                             f"{self.ngram_mod_n_match}, {self.ngram_mod_n_min})")
         return replace(self, type=spec_type, n_max=parse_n_max(self.n_max))

@@ -127,6 +127,116 @@ class NgramDrafter:
         return Draft()
 
 
+class NgramPool:
+    """llama.cpp's ``ngram-mod`` hash pool (``common/ngram-mod``, PR #19164): a fixed-size table from the
+    hash of an n-gram of ``n`` tokens to the token that last followed it. No keys are stored: a
+    collision answers another n-gram's follower (verification rejects it). One pool serves every slot of
+    a server, so requests learn from each other's text.
+
+    Args:
+        n: tokens hashed per entry (``--spec-ngram-mod-n-match``; llama.cpp's default 24).
+        size: table entries (llama.cpp's 4 Mi: 16 MiB of int32).
+    """
+
+    EMPTY = -1
+
+    def __init__(self, n: int = 24, size: int = 1 << 22):
+        from array import array
+
+        if n < 1:
+            raise ValueError(f"an n-gram pool needs n >= 1 (got {n})")
+        self.n, self.size = n, size
+        self._fresh = array("i", [self.EMPTY])
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty the table."""
+        self.table = self._fresh * self.size
+        self.used = 0
+
+    def add(self, tokens: list[int], i: int) -> None:
+        """Record that ``tokens[i : i + n]`` was followed by ``tokens[i + n]``."""
+        at = hash(tuple(tokens[i:i + self.n])) % self.size
+        if self.table[at] == self.EMPTY:
+            self.used += 1
+        self.table[at] = tokens[i + self.n]
+
+    def get(self, key: tuple) -> int:
+        """The follower recorded for the n-gram ``key`` (a tuple of n ids), or :data:`EMPTY`."""
+        return self.table[hash(key) % self.size]
+
+
+class NgramModDrafter:
+    """llama.cpp's ``ngram-mod`` drafter (``--spec-type ngram-mod``): every n-gram of the text goes into a
+    shared :class:`NgramPool`; a draft follows the pool from the last n tokens, one token at a time (each
+    drafted token extends the key), until an empty entry or ``n_max``; fewer than ``n_min`` drafted
+    tokens propose nothing. When three rounds in a row kept less than half of a draft, the pool is
+    emptied (stale or colliding entries), and a request that starts with the pool over a quarter full
+    empties it too, as llama.cpp does. Algorithm from llama.cpp's ``common/speculative.cpp``
+    (``common_speculative_state_ngram_mod``); our code. Unlike llama.cpp, new n-grams are added every
+    round, not in chunks of 32 tokens.
+
+    Args:
+        pool: the shared :class:`NgramPool` (its ``n`` is the match length).
+        n_min: shortest draft proposed (``--spec-ngram-mod-n-min``).
+    """
+
+    name = "ngram-mod"
+
+    def __init__(self, pool: NgramPool, n_min: int = 1):
+        self.pool, self.n_min = pool, max(1, n_min)
+        self.reset()
+
+    def reset(self) -> None:
+        self.added = 0  # tokens whose n-grams (as their last token's follower) are in the pool
+        self.started = False
+        self.last: list[int] = []  # the last draft, and the context length it followed
+        self.last_at = 0
+        self.low = 0  # rounds in a row that kept less than half of their draft
+
+    def _feedback(self, toks: list[int]) -> None:
+        if not self.last:
+            return
+        kept = 0
+        for a, b in zip(self.last, toks[self.last_at:]):
+            if a != b:
+                break
+            kept += 1
+        self.low = self.low + 1 if kept * 2 < len(self.last) else 0
+        self.last = []
+        if self.low >= 3:
+            self.pool.reset()
+            self.low, self.added = 0, 0
+
+    def propose(self, ctx: DraftContext, n_max: int) -> Draft:
+        toks, n = ctx.tokens, self.pool.n
+        if self.added > len(toks):  # another sequence (a context shift): add it again
+            self.added = 0
+        self._feedback(toks)
+        for i in range(max(0, self.added - n), len(toks) - n):
+            self.pool.add(toks, i)
+        self.added = len(toks)
+        if not self.started:
+            self.started = True
+            if self.pool.used > self.pool.size // 4:
+                self.pool.reset()
+                for i in range(len(toks) - n):
+                    self.pool.add(toks, i)
+        if len(toks) < n or n_max <= 0:
+            return Draft()
+        key, out = tuple(toks[-n:]), []
+        while len(out) < n_max:
+            t = self.pool.get(key)
+            if t == NgramPool.EMPTY:
+                break
+            out.append(t)
+            key = key[1:] + (t,)
+        if len(out) < self.n_min:
+            return Draft()
+        self.last, self.last_at = out, len(toks)
+        return Draft(out)
+
+
 class ChainDrafter:
     """Several drafters in order of precedence (``--spec-type ngram-simple,draft-mtp``): each round
     the first one that proposes anything drafts, the rest are not asked. llama-server's rule when a

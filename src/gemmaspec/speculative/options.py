@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from ..errors import InputError
 
-SPEC_TYPES = ("none", "ngram-simple", "draft-simple", "draft-mtp", "default")
-"""Accepted ``--spec-type`` values: no drafting, n-gram prompt lookup, a separate draft model, the MTP
-assistant, and ``default``: what gemmaspec ships as best for this model (``draft-mtp`` with the
+SPEC_TYPES = ("none", "ngram-simple", "ngram-mod", "draft-simple", "draft-mtp", "default")
+"""Accepted ``--spec-type`` values: no drafting, n-gram prompt lookup, llama.cpp's hash-pool n-gram
+drafter (``ngram-mod``), a separate draft model, the MTP assistant, and ``default``: what gemmaspec ships as best for this model (``draft-mtp`` with the
 assistant shipped for it where that was measured faster, else ``ngram-simple``; see
 ``gemmaspec.speculative.plan.plan``)."""
 
-DRAFTLESS_TYPES = ("ngram-simple",)
+DRAFTLESS_TYPES = ("ngram-simple", "ngram-mod")
 """Types that need no draft model; in a list they come first (llama.cpp's precedence)."""
 
 MODEL_TYPES = ("draft-simple", "draft-mtp")

@@ -147,8 +147,8 @@ def build(plan_: DrafterPlan, engine, warn=None) -> DrafterFactory:
         ModelFileError / UnsupportedArchitectureError: an unreadable draft file.
     """
     from ..loading import load_checkpoint
-    from .drafters import (ChainDrafter, DraftModelDrafter, MTPDrafter, NgramDrafter, NoDrafter, check_mtp_pair,
-                           check_same_vocabulary)
+    from .drafters import (ChainDrafter, DraftModelDrafter, MTPDrafter, NgramDrafter, NgramModDrafter, NgramPool,
+                           NoDrafter, check_mtp_pair, check_same_vocabulary)
 
     spec = plan_.spec
     model_make = None
@@ -166,14 +166,18 @@ def build(plan_: DrafterPlan, engine, warn=None) -> DrafterFactory:
             check_same_vocabulary(engine.tokenizer, draft.tokenizer)
             model_make = lambda cache: DraftModelDrafter(draft.model, engine.ctx_size, plan_.p_min)  # noqa: E731
 
+    kinds = spec_parts(plan_.spec_type)
+    pool = NgramPool(spec.ngram_mod_n_match) if "ngram-mod" in kinds else None  # shared by every slot
+
     def one(kind, cache):
         if kind == "none":
             return NoDrafter()
         if kind == "ngram-simple":
             return NgramDrafter(spec.ngram_size, spec.ngram_min)
+        if kind == "ngram-mod":
+            return NgramModDrafter(pool, spec.ngram_mod_n_min)
         return model_make(cache)
 
-    kinds = spec_parts(plan_.spec_type)
     if len(kinds) == 1:
         return DrafterFactory(plan_, lambda cache: one(kinds[0], cache))
     return DrafterFactory(plan_, lambda cache: ChainDrafter([one(k, cache) for k in kinds]))

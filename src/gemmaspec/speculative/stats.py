@@ -22,6 +22,8 @@ class SpecStats:
         drafted_per_pos: proposed counts by draft position.
         by_drafter: with several drafters (``--spec-type ngram-simple,draft-mtp``), the same counters
             per drafter name for the rounds it drafted (``rounds`` there: rounds it drafted in).
+        chosen_n: rounds by the draft length chosen for them from measured costs (the server's
+            :mod:`~gemmaspec.speculative.chooser`; empty when nothing chose): ``{n: rounds}``.
     """
 
     drafted: int = 0
@@ -31,6 +33,7 @@ class SpecStats:
     accepted_per_pos: list = field(default_factory=list)
     drafted_per_pos: list = field(default_factory=list)
     by_drafter: dict = field(default_factory=dict)
+    chosen_n: dict = field(default_factory=dict)
 
     def record(self, n_drafted: int, n_accepted: int, source: str = "") -> None:
         """Count one round: ``n_drafted`` tokens proposed (0: a plain step), ``n_accepted`` of them
@@ -49,6 +52,17 @@ class SpecStats:
             for i in range(n):
                 lst[i] += 1
 
+    def record_choice(self, n: int) -> None:
+        """Count a round whose draft length ``n`` was chosen for the batch (it may draft fewer:
+        the assistant's p-min stops early)."""
+        self.chosen_n[n] = self.chosen_n.get(n, 0) + 1
+
+    def chosen_text(self) -> str:
+        """``draft n chosen: 0x12 1x30 3x5`` (rounds by chosen length), or "" when nothing chose."""
+        if not self.chosen_n:
+            return ""
+        return "draft n chosen: " + " ".join(f"{n}x{c}" for n, c in sorted(self.chosen_n.items()))
+
     def merge(self, other: "SpecStats") -> None:
         self.drafted += other.drafted
         self.accepted += other.accepted
@@ -61,6 +75,8 @@ class SpecStats:
                 mine[i] += v
         for name, st in other.by_drafter.items():
             self.by_drafter.setdefault(name, SpecStats()).merge(st)
+        for n, c in other.chosen_n.items():
+            self.chosen_n[n] = self.chosen_n.get(n, 0) + c
 
     @property
     def acceptance_rate(self) -> float:
@@ -95,6 +111,8 @@ class SpecStats:
         out = {"draft_n": self.drafted, "draft_n_accepted": self.accepted, "verify_steps": self.steps,
                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
                "accepted_per_pos": list(self.accepted_per_pos), "drafted_per_pos": list(self.drafted_per_pos)}
+        if self.chosen_n:
+            out["chosen_n"] = {str(n): c for n, c in sorted(self.chosen_n.items())}
         if self.by_drafter:
             out["by_drafter"] = {name: {k: v for k, v in st.to_dict().items() if not k.endswith("_per_pos")}
                                  for name, st in self._by_drafter_in_order()}

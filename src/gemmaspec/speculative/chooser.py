@@ -1,0 +1,308 @@
+"""Each round's draft lengths for a whole batch, from measured costs (the server's default).
+
+With several slots sharing one target forward, a draft token costs more than its own verify row: it
+makes every slot's round wait for the wider forward. So the draft length n of each slot is chosen per
+round for the batch, not per request: :func:`choose` picks ``n_i`` (0 included) for every slot to
+maximise the batch's expected tokens per second,
+
+    tokens(n) = sum_i E_i(n_i),   E_i(n) = 1 + sum_{j=1..n} prod_{k<=j} a_{i,k}
+    seconds(n) = verify(S, S + sum_i n_i) + drafting(n)
+
+where ``a_{i,k}`` is slot i's chance of gaining draft position k given it gained k-1
+(:class:`Acceptance`: a position its drafter was asked for but did not draft, stopped by its p-min,
+counts as not gained), ``verify(S, R)`` the seconds of a round of S slots and R rows (forward,
+verification and stop checks; :class:`CostModel`) and ``drafting`` the draft steps it needs: a
+batched drafter (the MTP assistant) runs step k once for the B_k slots still drafting,
+``sum_k d(B_k)``; a drafter that does not batch pays ``d(1)`` per token; a draft already made (n-gram
+lookup: nearly free) costs nothing more. A model drafter with a p-min drafts fewer tokens than asked
+in some rounds: its rows and steps are counted by their expected number (``SlotView.cont``). At one slot this is the adaptive draft length of
+:mod:`.adaptive` with a per-step drafting cost; under load it drafts less, or not at all, by itself.
+
+Choosing n never changes output: every n is verified exactly (greedy, and seeded sampling through
+per-position draws), so only speed depends on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+PRIOR_FIRST = 0.85
+"""Prior acceptance of a first draft token (the adaptive controller's), before anything is measured."""
+
+
+class Acceptance:
+    """Acceptance by draft position of one drafter, from exponentially decayed counts.
+
+    ``rate(i)`` = (accepted at i + w · prior_i) / (tested at i + w): position i is tested when
+    positions 0..i-1 were accepted. The prior is the ``parent``'s estimate at i when there is one
+    (a request's counts shrink towards the pooled counts of its drafter), else position i-1's own
+    estimate (position 0: :data:`PRIOR_FIRST`), as :class:`~.adaptive.AdaptiveDraftLength` does.
+
+    Args:
+        n_cap: positions tracked (draft lengths up to this).
+        decay: weight kept by old counts per update or :meth:`tick` (0..1).
+        parent: the pooled estimate this one shrinks towards, or None.
+        weight: the prior's weight, in rounds.
+    """
+
+    def __init__(self, n_cap: int = 16, decay: float = 0.95, parent: "Acceptance | None" = None,
+                 weight: float = 1.0):
+        self.n_cap, self.decay, self.parent, self.weight = n_cap, decay, parent, weight
+        self.reached = [0.0] * n_cap
+        self.acc = [0.0] * n_cap
+
+    def rates(self, k: int) -> list[float]:
+        """Estimated acceptance at positions 0..k-1 (k capped at ``n_cap``)."""
+        k = min(k, self.n_cap)
+        prior = self.parent.rates(k) if self.parent is not None else None
+        out, prev = [], PRIOR_FIRST
+        for i in range(k):
+            p = prior[i] if prior is not None else prev
+            prev = (self.acc[i] + self.weight * p) / (self.reached[i] + self.weight)
+            out.append(prev)
+        return out
+
+    def tick(self) -> None:
+        """A round without a draft from this drafter: old counts fade (the estimate drifts back to
+        the prior, so a drafter turned off is tried again once its bad record has faded)."""
+        for i in range(self.n_cap):
+            self.reached[i] *= self.decay
+            self.acc[i] *= self.decay
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        """Record a round that drafted ``n_drafted`` tokens and accepted the first ``n_accepted``."""
+        self.tick()
+        for i in range(min(n_drafted, n_accepted + 1, self.n_cap)):
+            self.reached[i] += 1.0
+            if i < n_accepted:
+                self.acc[i] += 1.0
+
+
+def expected_tokens(rates: Sequence[float]) -> list[float]:
+    """``E(n)`` for n = 0..len(rates): tokens a round keeps on average when it drafts n (the target's
+    own token included)."""
+    out, total, prob = [1.0], 1.0, 1.0
+    for a in rates:
+        prob *= a
+        total += prob
+        out.append(total)
+    return out
+
+
+@dataclass
+class SlotView:
+    """What :func:`choose` knows of one slot this round.
+
+    Attributes:
+        cap: most draft tokens it may verify (context, ``max_tokens``, its ``n_max``, the length of a
+            draft already made); 0: it cannot draft this round.
+        rates: acceptance at draft positions 0..cap-1 (:meth:`Acceptance.rates`).
+        source: the drafter whose steps cost time (a key of :meth:`Costs.draft_seconds`), or "" when
+            the draft costs nothing more (already made, e.g. n-gram lookup).
+        batched: its draft steps run once for all slots of the same source that still draft.
+        fixed: the slot's draft length when it does not choose (``--spec-draft-n-fixed``, a request's
+            ``speculative.n_fixed``), else None.
+        n_min: a draft shorter than this is not verified (``--spec-draft-n-min``): n is 0 or >= it.
+        cont: a model drafter's chance of drafting position k given it drafted k-1 (its p-min stops a
+            round early), positions 0..cap-1; empty: it always drafts what it is asked. A round asked
+            for n tokens verifies and drafts only what was drafted, so rows and draft steps are priced
+            by their expected number.
+    """
+
+    cap: int
+    rates: Sequence[float] = ()
+    source: str = ""
+    batched: bool = True
+    fixed: int | None = None
+    n_min: int = 0
+    cont: Sequence[float] = ()
+
+
+@dataclass
+class Choice:
+    """The draft length per slot (``ns``, in the order given), the batch's expected tokens and the
+    predicted seconds of the round (drafting included)."""
+
+    ns: list[int] = field(default_factory=list)
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        """Predicted tokens per second of the round."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Costs(Protocol):
+    """What :func:`choose` asks of a cost model (:class:`CostModel`, or a fake in tests)."""
+
+    def verify_seconds(self, seqs: int, rows: int) -> float:
+        """Seconds of a round of ``seqs`` slots running ``rows`` rows in one target forward."""
+        ...
+
+    def draft_seconds(self, source: str, batch: int) -> float:
+        """Seconds of one draft step of ``source`` for ``batch`` slots at once."""
+        ...
+
+
+def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> Choice:
+    """Each slot's draft length for this round: the ``n`` that maximises expected tokens per second
+    of the whole batch (see the module docstring), searched from the best uniform length by
+    per-slot improvement; a change must promise more than ``tolerance`` (relative) more tokens per
+    second, so near-ties go to drafting less (estimates are noisy, and a draft that barely pays on
+    paper is not worth its variance). A pure function of its inputs.
+
+    Args:
+        slots: one :class:`SlotView` per slot in the round.
+        costs: the cost model (:class:`Costs`).
+        tolerance: relative gain a change must bring.
+
+    Returns:
+        :class:`Choice` with ``ns[i]`` in ``{0} ∪ [n_min_i, cap_i]`` (``fixed_i`` for a fixed slot,
+        capped at ``cap_i``).
+    """
+    n = len(slots)
+    if n == 0:
+        return Choice()
+    caps = [max(0, s.cap) for s in slots]
+    gain = [expected_tokens(list(s.rates[:c]) + [0.0] * (c - len(s.rates[:c]))) for s, c in zip(slots, caps)]
+    fixed = [None if s.fixed is None else min(max(0, s.fixed), c) for s, c in zip(slots, caps)]
+    # reach[i][j]: probability slot i's drafter produces j tokens when asked for more (its p-min stops)
+    reach = []
+    for s, c in zip(slots, caps):
+        r = [1.0]
+        for j in range(c):
+            r.append(r[-1] * (s.cont[j] if j < len(s.cont) else 1.0))
+        reach.append(r)
+    rows_max = n + sum(caps)
+    verify = [0.0] * (rows_max + 2)
+    for r in range(n, rows_max + 1):
+        verify[r] = costs.verify_seconds(n, r)
+    verify[rows_max + 1] = verify[rows_max]
+    step = {s.source: [0.0] + [costs.draft_seconds(s.source, b) for b in range(1, n + 1)] + [0.0]
+            for s in slots if s.source}
+    for tab in step.values():
+        tab[-1] = tab[-2]
+
+    def at(tab: list, x: float) -> float:  # tab at a fractional index (expected rows or slots)
+        lo = int(x)
+        return tab[lo] + (x - lo) * (tab[lo + 1] - tab[lo])
+
+    def seconds(ns) -> float:
+        total = at(verify, n + sum(sum(reach[i][1:k + 1]) for i, k in enumerate(ns)))
+        by_source: dict[str, list[int]] = {}
+        for i, (s, k) in enumerate(zip(slots, ns)):
+            if k and s.source:
+                if s.batched:
+                    by_source.setdefault(s.source, []).append(i)
+                else:
+                    total += sum(reach[i][:k]) * step[s.source][1]
+        for src, rows in by_source.items():
+            for j in range(1, max(ns[i] for i in rows) + 1):  # step j runs for the slots that drafted j - 1
+                total += at(step[src], sum(reach[i][j - 1] for i in rows if ns[i] >= j))
+        return max(total, 1e-9)
+
+    def score(ns) -> tuple[float, float, float]:
+        t = sum(g[k] for g, k in zip(gain, ns))
+        s = seconds(ns)
+        return t / s, t, s
+
+    def allowed(i: int, k: int) -> bool:
+        return k == 0 or k >= slots[i].n_min
+
+    best = [f if f is not None else 0 for f in fixed]
+    best_score = score(best)
+    for k in range(1, max(caps) + 1):  # the best uniform length first: the search's starting point
+        trial = [f if f is not None else (min(k, c) if allowed(i, min(k, c)) else 0)
+                 for i, (f, c) in enumerate(zip(fixed, caps))]
+        got = score(trial)
+        if got[0] > best_score[0] * (1 + tolerance):
+            best, best_score = trial, got
+    for _ in range(3):  # then each slot's own length, the others held
+        changed = False
+        for i in range(n):
+            if fixed[i] is not None or caps[i] == 0:
+                continue
+            for k in range(caps[i] + 1):
+                if k == best[i] or not allowed(i, k):
+                    continue
+                trial = list(best)
+                trial[i] = k
+                got = score(trial)
+                if got[0] > best_score[0] * (1 + tolerance):
+                    best, best_score, changed = trial, got, True
+        if not changed:
+            break
+    return Choice(best, best_score[1], best_score[2])
+
+
+class CostModel:
+    """Seconds of a round's parts on this machine: calibrated at start, then learned online.
+
+    ``verify_seconds(S, R)``: the measured mean (decayed) of rounds of S slots and R rows when one was
+    seen in the last ``horizon`` rounds; else the nearest such measurement (same S first, then the
+    nearest S; nearest R) corrected by the calibrated difference between R and its R (what an extra
+    row costs in the products); else the calibration alone. ``draft_seconds(source, B)``: the measured
+    mean of one draft step of B rows, else the nearest B's scaled by B / B' for a B above it (a safe
+    over-estimate), else ``draft_prior`` × the calibrated 1-row forward.
+
+    Args:
+        forward_costs: seconds of one target forward over 1, 2, ... rows (one sequence; see
+            :meth:`gemmaspec.engine.Engine.forward_costs`); at least one entry.
+        horizon: rounds after which an unrepeated measurement is ignored (the machine's load changes).
+        draft_prior: a model drafter's step before one is measured, as a share of a 1-row forward.
+    """
+
+    def __init__(self, forward_costs: Sequence[float], horizon: int = 200, draft_prior: float = 0.1):
+        if not forward_costs:
+            raise ValueError("the cost model needs at least one calibrated forward")
+        self.cal = [float(c) for c in forward_costs]
+        self.horizon, self.draft_prior = horizon, draft_prior
+        self.verify: dict[tuple[int, int], list[float]] = {}  # (S, R) -> [mean s, round seen]
+        self.draft: dict[tuple[str, int], list[float]] = {}  # (source, B) -> [mean s, round seen]
+        self.round = 0
+
+    def calibrated(self, rows: int) -> float:
+        """Calibrated seconds of one forward over ``rows`` rows (linear beyond the calibration)."""
+        c = self.cal
+        if rows <= len(c):
+            return c[max(rows, 1) - 1]
+        lo = len(c) // 2
+        slope = (c[-1] - c[lo - 1]) / (len(c) - lo) if len(c) > 1 else c[0]
+        return c[-1] + max(slope, 0.0) * (rows - len(c))
+
+    def _fresh(self, table: dict) -> dict:
+        return {k: v[0] for k, v in table.items() if self.round - v[1] <= self.horizon}
+
+    def verify_seconds(self, seqs: int, rows: int) -> float:
+        seen = self._fresh(self.verify)
+        if (seqs, rows) in seen:
+            return seen[(seqs, rows)]
+        if seen:
+            s, r = min(seen, key=lambda k: (abs(k[0] - seqs), abs(k[1] - rows), k[1]))
+            return max(1e-6, seen[(s, r)] + self.calibrated(rows) - self.calibrated(r))
+        return self.calibrated(rows)
+
+    def draft_seconds(self, source: str, batch: int) -> float:
+        seen = {b: v for (src, b), v in self._fresh(self.draft).items() if src == source}
+        if batch in seen:
+            return seen[batch]
+        if seen:
+            b = min(seen, key=lambda x: (abs(x - batch), x))
+            return seen[b] * max(1.0, batch / b)
+        return self.draft_prior * self.calibrated(1) * batch
+
+    def observe_verify(self, seqs: int, rows: int, seconds: float) -> None:
+        """A round of ``seqs`` slots and ``rows`` rows took ``seconds`` (drafting excluded)."""
+        self.round += 1
+        self._observe(self.verify, (seqs, rows), seconds)
+
+    def observe_draft(self, source: str, batch: int, seconds: float) -> None:
+        """One draft step of ``source`` over ``batch`` rows took ``seconds``."""
+        self._observe(self.draft, (source, batch), seconds)
+
+    def _observe(self, table: dict, key, seconds: float) -> None:
+        old = table.get(key)
+        fresh = old is not None and self.round - old[1] <= self.horizon
+        table[key] = [0.7 * old[0] + 0.3 * seconds if fresh else seconds, self.round]

@@ -1,0 +1,150 @@
+"""The per-round choice of draft lengths for a batch (speculative/chooser.py), as pure functions with
+fake cost models: no drafting when verify rows are expensive and acceptance low, the full length when
+rows are free, batched drafting's shared steps, fixed slots, n-min; the cost model's calibration and
+online corrections; acceptance by position."""
+
+import pytest
+
+from gemmaspec.speculative.chooser import Acceptance, CostModel, SlotView, choose, expected_tokens
+
+
+class FakeCosts:
+    """verify(S, R) = base + per_row * (R - S); a draft step of B rows = step0 + step_row * B."""
+
+    def __init__(self, base=0.010, per_row=0.0, step0=0.0, step_row=0.0):
+        self.base, self.per_row, self.step0, self.step_row = base, per_row, step0, step_row
+
+    def verify_seconds(self, seqs, rows):
+        return self.base + self.per_row * (rows - seqs)
+
+    def draft_seconds(self, source, batch):
+        return self.step0 + self.step_row * batch
+
+
+def test_expected_tokens_counts_the_targets_own_token():
+    assert expected_tokens([]) == [1.0]
+    assert expected_tokens([0.5, 0.5]) == pytest.approx([1.0, 1.5, 1.75])
+
+
+def test_no_drafting_when_rows_are_expensive_and_acceptance_low():
+    slots = [SlotView(3, [0.3, 0.3, 0.3], "draft-mtp") for _ in range(4)]
+    got = choose(slots, FakeCosts(base=0.020, per_row=0.010, step0=0.0005))
+    assert got.ns == [0, 0, 0, 0]
+    assert got.tokens == 4 and got.seconds == pytest.approx(0.020)
+
+
+def test_full_length_at_one_slot_with_high_acceptance_and_free_rows():
+    got = choose([SlotView(3, [0.9, 0.9, 0.9], "draft-mtp")], FakeCosts(base=0.010, per_row=0.0, step0=0.0002))
+    assert got.ns == [3]
+    assert got.rate > 1 / 0.010
+
+
+def test_the_full_length_when_verification_rows_are_free():
+    slots = [SlotView(4, [0.6, 0.5, 0.4, 0.3]) for _ in range(3)]  # drafts already made (n-gram): no draft cost
+    assert choose(slots, FakeCosts(per_row=0.0)).ns == [4, 4, 4]
+
+
+def test_load_turns_drafting_down():
+    """The same machine and acceptance: one slot drafts; with four slots a forward's fixed cost is
+    shared by four tokens, so each extra row weighs more and they draft less (here: nothing)."""
+    costs = FakeCosts(base=0.010, per_row=0.0025, step0=0.0004, step_row=0.0001)
+    rates = [0.7, 0.6, 0.5]
+    alone = choose([SlotView(3, rates, "draft-mtp")], costs).ns[0]
+    busy = choose([SlotView(3, rates, "draft-mtp") for _ in range(4)], costs).ns
+    assert alone >= 2
+    assert busy == [0, 0, 0, 0]
+
+
+def test_slots_with_good_drafts_keep_drafting_under_load():
+    slots = [SlotView(3, [0.95, 0.95, 0.95]), SlotView(3, [0.1, 0.1, 0.1], "draft-mtp")]
+    got = choose(slots, FakeCosts(base=0.010, per_row=0.002, step0=0.0005))
+    assert got.ns == [3, 0]
+
+
+def test_a_fixed_slot_keeps_its_length_and_counts_in_the_cost():
+    slots = [SlotView(3, [0.2] * 3, "draft-mtp", fixed=3), SlotView(3, [0.2] * 3, "draft-mtp")]
+    got = choose(slots, FakeCosts(base=0.010, per_row=0.005))
+    assert got.ns == [3, 0]
+    assert got.seconds == pytest.approx(0.010 + 0.005 * 3)
+
+
+def test_n_min_leaves_zero_or_at_least_n_min():
+    got = choose([SlotView(4, [0.9, 0.2, 0.2, 0.2], n_min=3)], FakeCosts(base=0.010, per_row=0.004))
+    assert got.ns[0] in (0, 3, 4)
+
+
+def test_batched_drafting_is_priced_per_step_not_per_slot():
+    """Draft steps that cost a lot alone but batch well: 4 slots drafting together pay one step per
+    position, so drafting pays; priced per slot (not batched) it does not."""
+    rates = [0.8, 0.7, 0.6]
+    costs = FakeCosts(base=0.010, per_row=0.0005, step0=0.004, step_row=0.0001)
+    together = choose([SlotView(3, rates, "m", batched=True) for _ in range(4)], costs).ns
+    alone = choose([SlotView(3, rates, "m", batched=False) for _ in range(4)], costs).ns
+    assert sum(together) > 0 and sum(alone) < sum(together)
+
+
+def test_nothing_to_choose():
+    assert choose([], FakeCosts()).ns == []
+    assert choose([SlotView(0), SlotView(0)], FakeCosts()).ns == [0, 0]
+
+
+def test_cost_model_uses_calibration_then_measurements():
+    m = CostModel([0.010, 0.011, 0.012, 0.013])
+    assert m.verify_seconds(1, 3) == pytest.approx(0.012)
+    assert m.verify_seconds(1, 6) == pytest.approx(0.015)  # linear beyond the calibration
+    m.observe_verify(2, 2, 0.030)  # two slots, one row each: slower than one sequence's forward
+    assert m.verify_seconds(2, 2) == pytest.approx(0.030)
+    assert m.verify_seconds(2, 4) == pytest.approx(0.030 + 0.013 - 0.011)  # nearest seen + calibrated delta
+    m.observe_verify(2, 2, 0.040)
+    assert m.verify_seconds(2, 2) == pytest.approx(0.7 * 0.030 + 0.3 * 0.040)
+
+
+def test_cost_model_forgets_measurements_past_the_horizon():
+    m = CostModel([0.010, 0.020], horizon=3)
+    m.observe_verify(1, 2, 0.100)
+    for _ in range(5):
+        m.observe_verify(1, 1, 0.010)
+    assert m.verify_seconds(1, 2) == pytest.approx(0.010 + 0.020 - 0.010)  # the old 0.100 is stale
+
+
+def test_cost_model_draft_steps():
+    m = CostModel([0.010])
+    assert m.draft_seconds("draft-mtp", 2) == pytest.approx(0.1 * 0.010 * 2)  # the prior
+    m.observe_draft("draft-mtp", 2, 0.001)
+    assert m.draft_seconds("draft-mtp", 2) == pytest.approx(0.001)
+    assert m.draft_seconds("draft-mtp", 1) == pytest.approx(0.001)  # a smaller batch: not more
+    assert m.draft_seconds("draft-mtp", 4) == pytest.approx(0.002)  # a larger one: scaled up
+
+
+def test_acceptance_by_position_and_its_parent():
+    pooled = Acceptance(4, decay=1.0)
+    for _ in range(20):
+        pooled.update(3, 3)
+    mine = Acceptance(4, decay=1.0, parent=pooled)
+    assert mine.rates(2) == pytest.approx(pooled.rates(2))  # nothing of its own yet
+    for _ in range(20):
+        mine.update(3, 0)  # its own first drafts all rejected
+    assert mine.rates(1)[0] < 0.1 < pooled.rates(1)[0]
+    a = Acceptance(4, decay=1.0)
+    a.update(4, 1)  # position 0 kept, position 1 rejected, 2 and 3 never tested
+    assert a.reached == [1.0, 1.0, 0.0, 0.0] and a.acc == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_a_faded_record_is_tried_again():
+    a = Acceptance(3, decay=0.9)
+    for _ in range(30):
+        a.update(3, 0)
+    low = a.rates(1)[0]
+    for _ in range(60):
+        a.tick()
+    assert low < 0.2 and a.rates(1)[0] > 0.7
+
+
+def test_a_drafter_that_stops_early_is_priced_by_its_expected_rows_and_steps():
+    """Asked for 2 tokens, the drafter drafts the first half the time and the second half of those
+    (its p-min): 0.75 rows expected, step 1 always, step 2 in half the rounds."""
+    slot = SlotView(2, [0.5, 0.5], "m", fixed=2, cont=[0.5, 0.5])
+    got = choose([slot], FakeCosts(base=0.010, per_row=0.004, step0=0.001))
+    assert got.seconds == pytest.approx(0.010 + 0.004 * 0.75 + 0.001 + 0.5 * 0.001)
+    always = choose([SlotView(2, [0.5, 0.5], "m", fixed=2)], FakeCosts(base=0.010, per_row=0.004, step0=0.001))
+    assert always.seconds == pytest.approx(0.010 + 0.004 * 2 + 0.002)
