@@ -88,7 +88,8 @@ def test_no_drafting_means_every_token_is_the_targets(server):
 
 def test_native_completion_streamed_and_whole(server):
     body = {"prompt": PROMPT, "n_predict": 32, "temperature": 0, "ignore_eos": True, "return_provenance": True,
-            "return_tokens": True, "cache_prompt": False}
+            "return_tokens": True, "cache_prompt": False,
+            "speculative.n_fixed": True}  # fixed draft lengths: the per-round choice follows measured timings
     events = _stream(server, "/completion", body)
     streamed = [e for ev in events for e in ev.get("provenance", [])]
     for ev in events[:-1]:  # each event's entries are its tokens

@@ -169,6 +169,8 @@ def run_steps(assistant, x_embed: torch.Tensor, h: torch.Tensor, kvs: list, rope
         for kind, (keys, values, mask) in kvs[r].items():
             if not (_plain(keys) and _plain(values)) or (mask is not None and not mask.is_contiguous()):
                 return None
+            if keys.dim() != 3 or keys.shape[1] != c.num_kv_heads:  # one KV-head count for all layers (run_step)
+                return None
             tables[kind] = tuple(t.contiguous() for t in ropes[r][kind])
         keep.append(tables)
         ctypes.memmove(ctypes.addressof(arr) + r * ctypes.sizeof(base), base, ctypes.sizeof(base))
