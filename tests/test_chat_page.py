@@ -192,8 +192,17 @@ def _expected_tokens(sse: str) -> list[tuple]:
 def test_token_colours_match_the_servers_provenance(page):
     page.click("#new-chat")
     settings(page, max_tokens="64", temperature="0")
-    with page.expect_response("**/v1/chat/completions") as resp:
-        i = send(page, STORY_PROMPT)
+
+    def fixed_lengths(route):  # the server chooses draft lengths from measured timings; pin n-max so both
+        body = json.loads(route.request.post_data)  # drafters draft whatever the machine's load
+        route.continue_(post_data=json.dumps({**body, "speculative.n_fixed": True}))
+
+    page.route("**/v1/chat/completions", fixed_lengths)
+    try:
+        with page.expect_response("**/v1/chat/completions") as resp:
+            i = send(page, STORY_PROMPT)
+    finally:
+        page.unroute("**/v1/chat/completions", fixed_lengths)
     expected = _expected_tokens(resp.value.text())
     reply = page.locator(".msg.assistant").nth(i)
     reply.locator(".toggle-tokens").click()
