@@ -82,7 +82,8 @@ def test_server_serves_gemma4_with_draft_mtp(tiny_dirs, tmp_path):
     want = [run_cli("generate", "-m", str(tiny_dirs["target"]), "-p", p, "-n", "12", "--temp", "0",
                     "--ignore-eos").stdout[:-1] for p in prompts]  # the CLI ends its output with a newline
     srv = ServerProcess(tmp_path, "-m", str(tiny_dirs["target"]), "-md", str(tiny_dirs["assistant"]),
-                        "--spec-type", "draft-mtp", "--spec-draft-n-max", "2", "-np", "2", "-c", "256")
+                        "--spec-type", "draft-mtp", "--spec-draft-n-max", "2", "-np", "2", "-c", "256",
+                            "--spec-draft-n-fixed")  # drafts every round: the metrics must count some
     try:
         def ask(p):
             r = httpx.post(srv.url + "/v1/completions", timeout=120,

@@ -19,7 +19,10 @@ PATHS = ["/v1/completions", "/v1/chat/completions", "/completion", "/completions
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    s = ServerProcess(tmp_path_factory.mktemp("serve-fields"), "-np", "2", "-c", str(CTX), "--temp", "0")
+    # fixed draft lengths: these tests compare draft counts across requests, which the default per-round
+    # choice (from measured timings) would make depend on the machine's load
+    s = ServerProcess(tmp_path_factory.mktemp("serve-fields"), "-np", "2", "-c", str(CTX), "--temp", "0",
+                      "--spec-draft-n-fixed")
     yield s
     s.close()
 
