@@ -86,12 +86,18 @@ def hf_checkpoint(path: str | Path):
         config = arch.config_from_hf(cfg)
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelFileError(f"{path}/config.json: {exc}") from None
+    return arch, config, cfg, gguf_named(path, arch, config)
+
+
+def gguf_named(path: Path, arch, config) -> dict:
+    """A checkpoint directory's tensors (lazy :class:`StoredTensor`) under the GGUF names ``arch.hf_name``
+    gives them; tensors it maps to None (not this part of the model) are left out."""
     tensors = {}
     for name, t in lazy_tensors(path).items():
         gname = arch.hf_name(name, config)
         if gname is not None:
             tensors[gname] = t
-    return arch, config, cfg, tensors
+    return tensors
 
 
 def load_hf_dir(path: str | Path):

@@ -23,7 +23,7 @@ import torch
 from ..errors import InputError, ModelFileError
 from ..models.registry import Architecture, vision_by_hf_model_type, vision_by_projector
 from .gguf import GGUFMeta, build_model, open_reader, tensor_weight
-from .safetensors import hf_checkpoint, lazy_tensors, read_config
+from .safetensors import gguf_named, hf_checkpoint, read_config
 
 
 @dataclass
@@ -55,12 +55,7 @@ def _hf_vision(path: Path):
         config = arch.config_class.from_hf(cfg, _preprocessor(path))
     except (ValueError, KeyError, TypeError) as exc:
         raise ModelFileError(f"{path}/config.json: {exc}") from None
-    tensors = {}
-    for name, t in lazy_tensors(path).items():
-        gname = arch.hf_name(name, config)
-        if gname is not None:
-            tensors[gname] = t
-    return arch, config, tensors
+    return arch, config, gguf_named(path, arch, config)
 
 
 def load_vision(path: str | os.PathLike, device: torch.device | str = "cpu") -> LoadedVision:
