@@ -10,6 +10,28 @@ import pytest
 import torch
 
 
+def _machine() -> str:
+    """The machine, for the run's summary (results that depend on it, e.g. draft lengths chosen from
+    timings, can then be read against it): CPU model, CPUs this process may use, the kernel's path."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    from gemmaspec.kernels import kernel_isa
+    from gemmaspec.loading.engine import physical_cores
+
+    return (f"machine: {model}; {len(os.sched_getaffinity(0))} CPUs usable, {physical_cores()} physical cores; "
+            f"kernel path {kernel_isa()}; torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Name the machine at the end of every run (``-q`` hides the header): a failure that depends on the
+    CPU or its timing can be read against it."""
+    terminalreporter.write_line(_machine())
+
+
 @pytest.fixture(scope="session", autouse=True)
 def library_notes_on_stderr():
     """The library's notes (tokenizer cache, kernel compile) on stderr, as the ``gemmaspec`` command

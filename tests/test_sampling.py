@@ -146,3 +146,34 @@ def test_a_large_logit_bias_is_turned_into_tensors_once(monkeypatch):
         top = greedy_token(logits, greedy, [])
     assert torch.equal(got, want) and top == int(want.argmax())
     assert len(made) <= 4  # ids and biases, once for each params object
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0),                                # raw argmax
+    SamplingParams(temperature=0, ignore_eos=True),               # with a logit bias
+    SamplingParams(temperature=0, repeat_penalty=1.3),            # penalties
+    SamplingParams(temperature=0.8, seed=1),                      # sampling, whole vocabulary
+    SamplingParams(temperature=0.8, seed=1, top_k=5, top_p=0.9),  # sampling, filtered
+])
+@pytest.mark.parametrize("where", ["all", "one"])
+def test_nan_logits_raise_instead_of_token_zero(params, where):
+    """An argmax over NaN scores gives id 0 (numpy's and torch's rule), which once reached a user as a
+    spurious token: NaN logits are a defect and raise a clear error on every path that picks a token
+    (the sampler, the greedy and sampling verification of a speculative round)."""
+    from gemmaspec.sampling import NonFiniteLogitsError
+    from gemmaspec.speculative.verify import verify_round
+
+    logits = torch.randn(3, 50)
+    if where == "all":
+        logits[1] = float("nan")
+    else:
+        logits[1, 17] = float("nan")
+    with pytest.raises(NonFiniteLogitsError, match="NaN"):
+        Sampler(params).sample(logits[1], [1, 2], pos=4)
+    if not params.greedy:  # the draft accepted at row 0 must be the token drawn there
+        first = Sampler(params).sample(logits[0], [1, 2], pos=4)
+    else:
+        first = greedy_token(logits[0], params, [1, 2])
+    with pytest.raises(NonFiniteLogitsError, match="NaN"):  # row 0's draft accepted, row 1 is NaN
+        verify_round(logits, [1, 2], [first, 3], None, params, Sampler(params), pos=4)
+    assert isinstance(Sampler(params).sample(logits[0], [1, 2], pos=4), int)  # a finite row still works

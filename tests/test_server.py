@@ -176,7 +176,8 @@ def test_concurrent_users_get_exactly_their_solo_output(server, client, engine):
     def one(p):
         barrier.wait()
         return client.completions.create(model=MODEL, prompt=p, max_tokens=32, temperature=0,
-                                         extra_body={"ignore_eos": True})
+                                         extra_body={"ignore_eos": True,  # fixed draft lengths: the
+                                                     "speculative.n_fixed": True})  # choice follows timings
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = list(pool.map(one, PROMPTS))

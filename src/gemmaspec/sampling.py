@@ -133,6 +133,18 @@ def _penalties_neutral(params: "SamplingParams") -> bool:
     return params.repeat_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The model's scores at a position hold NaN: a defect (of the weights, the kernel or the machine),
+    never a token to emit. Raised instead of the id 0 an argmax over NaN gives."""
+
+
+def _nan_check(value: float, what: str) -> None:
+    if math.isnan(value):
+        raise NonFiniteLogitsError(f"the model's logits {what} are NaN, so no token can be chosen; this is a "
+                                   "defect, not an input error: please report it with the model file and the "
+                                   "machine (CPU, `gemmaspec --version`)")
+
+
 def greedy_token(logits: torch.Tensor, params: "SamplingParams", history=()) -> int:
     """The greedy token for logits float32 [V] under ``params``' logit bias and penalties: the argmax
     of :func:`apply_repeat_penalty`'s logits, the same id. Shortcut: without penalties and with no
@@ -140,12 +152,17 @@ def greedy_token(logits: torch.Tensor, params: "SamplingParams", history=()) -> 
     another token above it, and an equal value earlier would have been the raw argmax), so the
     ``ignore_eos`` bans cost a lookup instead of a copy of the logits."""
     if params.raw_logits:
-        return int(argmax(logits))
+        best = int(argmax(logits))
+        _nan_check(float(logits[best]), "at the greedy token")  # argmax lands on the first NaN if any
+        return best
     if _penalties_neutral(params) and params.bias_max <= 0:
         best = int(argmax(logits))
         if best not in params.bias_ids and not math.isnan(float(logits[best])):
             return best
-    return int(argmax(apply_repeat_penalty(logits, history, params)))
+    scored = apply_repeat_penalty(logits, history, params)
+    best = int(argmax(scored))
+    _nan_check(float(scored[best]), "at the greedy token")
+    return best
 
 
 def ban_end_of_generation(params: SamplingParams, stop_ids) -> SamplingParams:
@@ -219,6 +236,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, history=(),
             ids = pool[order]
         else:
             vals, ids = torch.sort(logits, descending=True)
+    _nan_check(float(log_z), "at a sampled position")  # a NaN anywhere makes the normaliser NaN
     # top-p and min-p act on the temperature-1 distribution over the top-k survivors
     p = torch.exp(vals.double() - log_z)
     keep = p.shape[0]

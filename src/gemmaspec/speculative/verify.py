@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import argmax, filtered_probs, greedy_token
+from ..sampling import _nan_check, argmax, filtered_probs, greedy_token
 
 
 @dataclass
@@ -137,7 +137,9 @@ def verify_round(logits: torch.Tensor, history: list[int], drafts: list[int], di
     """
     mask = masks if masks is not None else (lambda i: None)
     if params.greedy and params.raw_logits and masks is None:
-        return verify_greedy(argmax(logits).tolist(), drafts)
+        best = argmax(logits)
+        _nan_check(float(logits.gather(-1, best.view(-1, 1)).sum()), "at a verified position")  # NaN: argmax's pick
+        return verify_greedy(best.tolist(), drafts)
     if params.greedy and masks is None:  # token ids straight from the logits (bias, penalties): no tensors
         n = 0
         while True:
