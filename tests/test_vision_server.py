@@ -234,3 +234,9 @@ def test_image_urls_refused_by_default(tiny, images_host, tmp_path):
         assert r.status_code == 400 and "--allow-image-urls" in r.json()["error"]["message"], r.text
     finally:
         s.close()
+
+
+def test_images_with_several_choices_are_a_400(vserver):
+    obj = {"prompt_string": "<__media__>w5", "multimodal_data": [_b64(PNG)]}
+    r = _post(vserver, "/v1/completions", {"prompt": obj, "max_tokens": 2, "n": 2})
+    assert r.status_code == 400 and "n > 1 is not supported together with images" in r.json()["error"]["message"]
