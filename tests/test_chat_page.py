@@ -67,6 +67,8 @@ def send(page, text: str) -> int:
 
 def test_a_reply_renders_markdown_with_highlighted_code_and_copies_it(page):
     assert page.is_visible("#empty")  # the empty-state hint
+    page.wait_for_function("document.getElementById('model').textContent.includes('·')")  # /props has been read
+    assert page.is_hidden("#attach")  # no vision tower (--mmproj): no attach button
     settings(page, mode="chat", max_tokens="48", temperature="0", seed="", top_k="", spec="on", n_max="")
     i = send(page, CODE_PROMPT)
     assert page.locator(".msg.user").first.inner_text().startswith(CODE_PROMPT)

@@ -295,7 +295,7 @@ def test_prompts_of_completion_and_native_requests():
     assert native_prompts(["a", "b"], ENGINE) == [[2, ord("a") + 10], [2, ord("b") + 10]]
     assert native_prompts({"prompt_string": "a"}, ENGINE) == [[2, ord("a") + 10]]
     assert native_prompts([[15], [16, 17]], ENGINE) == [[15], [16, 17]]
-    with pytest.raises(APIError, match="images are not supported"):
+    with pytest.raises(APIError, match="start it with --mmproj FILE"):
         native_prompts({"prompt_string": "a", "multimodal_data": ["x"]}, ENGINE)
 
 

@@ -77,6 +77,22 @@ def image_prompt(tokenizer, vision, prompt: str, images: list[Image], chat: bool
     return _with_images(tokenizer, vision, tokenizer.encode(text.replace(marker, vision.image_text())), images)
 
 
+def marked_prompt(tokenizer, vision, text: str, images: list[Image], marker: str) -> tuple[list[int], list]:
+    """Token ids of a raw prompt in which each ``marker`` (llama-server's ``<__media__>``) stands for
+    the next of ``images``, and where each image's embeddings go: every marker replaced by the
+    tower's image text, then tokenized as :func:`image_prompt` does (control-token spellings parsed,
+    BOS added). Unlike :func:`image_prompt`, the images never move to the front.
+
+    Raises:
+        InputError: marker count and image count differ, or the tokenizer lacks the image tokens.
+    """
+    _image_id(tokenizer, vision)
+    if text.count(marker) != len(images):
+        raise InputError(f"the prompt has {text.count(marker)} {marker} markers for {len(images)} images: "
+                         f"each image needs one marker where it goes, in order")
+    return _with_images(tokenizer, vision, tokenizer.encode(text.replace(marker, vision.image_text())), images)
+
+
 def chat_image_ids(tokenizer, vision, messages: list[dict], images: list[Image], encoded: dict | None = None,
                    **template) -> tuple[list, list]:
     """A chat prompt whose message contents hold :data:`MARK` where each image goes: rendered with the

@@ -47,7 +47,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--chat-template-file", default=None, metavar="FILE", help="chat template (Jinja) from a file")
     s.add_argument("--mmproj", default=None, metavar="FILE",
                    help="the model's vision projector (an mmproj GGUF, or the multimodal checkpoint directory; "
-                        "Gemma 3): chat requests may then carry image_url parts with data URLs")
+                        "Gemma 3): chat requests may then carry image_url parts with data URLs, and /completion "
+                        "prompts multimodal_data")
+    s.add_argument("--allow-image-urls", action="store_true",
+                   help="with --mmproj: fetch image_url parts' http(s) URLs (10 s timeout, 10 MiB cap; the server "
+                        "fetches whatever its network reaches: only for trusted clients). Default: data URLs only")
     s.add_argument("--slots", dest="slots_endpoint", action="store_true", default=True,
                    help="answer GET /slots (the default)")
     s.add_argument("--no-slots", dest="slots_endpoint", action="store_false", help="GET /slots answers 501")
@@ -231,7 +235,8 @@ def serve(args) -> int:
                       cors_origins=tuple(normalize_origin(o) for o in split(args.cors_origin)), slot_save_path=slot_dir, verbose=args.verbose,
                       slots_endpoint=args.slots_endpoint, metrics_endpoint=args.metrics, ui=args.ui, tags=split([args.tags or ""]),
                       chat_template=chat_template_of(args), context_shift=args.context_shift, n_keep=args.keep,
-                      mmproj=args.mmproj, choose_n=not args.spec_draft_n_fixed)
+                      mmproj=args.mmproj, allow_image_urls=args.allow_image_urls,
+                      choose_n=not args.spec_draft_n_fixed)
     setup_logging(timestamps=True)
     socks: list[socket.socket] = []
     port = args.port

@@ -32,7 +32,8 @@ class ServeConfig:
     (``--no-metrics``): ``GET /metrics`` answers 501; ``ui`` False (``--no-ui``): ``/`` answers 404.
     ``chat_template``: Jinja text replacing the model's template (``--chat-template``,
     ``--chat-template-file``). ``mmproj``: the vision projector (``--mmproj``: an mmproj GGUF or a
-    multimodal checkpoint directory), None for text only.
+    multimodal checkpoint directory), None for text only; ``allow_image_urls``
+    (``--allow-image-urls``): ``image_url`` parts may carry ``http(s)`` URLs, which the server fetches.
     """
 
     model: str | None = None
@@ -58,5 +59,6 @@ class ServeConfig:
     context_shift: bool = False
     n_keep: int = 0
     mmproj: str | None = None
+    allow_image_urls: bool = False
     choose_n: bool = True
 

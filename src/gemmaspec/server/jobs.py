@@ -147,14 +147,14 @@ async def generate(st: ServerState, request: Request, req, kind: str, ids: list[
 
 
 async def _submit_all(st: ServerState, req, kind: str, prompts: list[list[int]], each: list[SamplingParams],
-                      logprobs, fmts: list, queue: asyncio.Queue, grammar, group: int) -> list[Job]:
-    """Submit job i (``prompts[i]``, ``each[i]``, ``fmts[i]``) tagged ``i`` on one queue; all or none
-    (a failure cancels the ones already queued)."""
+                      logprobs, fmts: list, queue: asyncio.Queue, grammar, group: int, images=None) -> list[Job]:
+    """Submit job i (``prompts[i]``, ``each[i]``, ``fmts[i]``, ``images[i]`` when given) tagged ``i`` on
+    one queue; all or none (a failure cancels the ones already queued)."""
     jobs: list[Job] = []
     try:
         for i, fmt in enumerate(fmts):
             jobs.append(await submit(st, req, kind, prompts[i], each[i], logprobs, fmt, queue, req.id_slot,
-                                     grammar=grammar, tag=i, group=group))
+                                     grammar=grammar, tag=i, group=group, images=images[i] if images else ()))
     except BaseException:
         for j in jobs:
             st.scheduler.cancel(j)
@@ -163,11 +163,12 @@ async def _submit_all(st: ServerState, req, kind: str, prompts: list[list[int]],
 
 
 async def _gather(st: ServerState, request: Request, req, kind: str, prompts, each, logprobs, fmts, grammar,
-                  group: int):
+                  group: int, images=None):
     """Run the jobs as :func:`generate` does, in parallel; their results in order, or the first
     error raised, or the 499 response when the client left."""
     got = await asyncio.gather(*[generate(st, request, req, kind, prompts[i], each[i], logprobs, fmt,
-                                          want_slot=req.id_slot, grammar=grammar, group=group)
+                                          want_slot=req.id_slot, grammar=grammar, group=group,
+                                          images=images[i] if images else ())
                                  for i, fmt in enumerate(fmts)],
                                return_exceptions=True)
     for r in got:
@@ -179,10 +180,11 @@ async def _gather(st: ServerState, request: Request, req, kind: str, prompts, ea
 
 
 async def generate_n(st: ServerState, request: Request, req, kind: str, prompts: list[list[int]],
-                     params: SamplingParams, logprobs, fmts: list[Formatter], grammar):
+                     params: SamplingParams, logprobs, fmts: list[Formatter], grammar, images=None):
     """Several choices (``n`` > 1, or several prompts on ``/v1/completions``): one job each, choice i
     running ``prompts[i]`` (the same list object for the choices of one prompt), in parallel as
-    slots allow; a given seed S gives choice i the seed S + i, so choices differ and repeat. Merged
+    slots allow (``images[i]``: choice i's image spans, when given); a given seed S gives choice i the seed
+    S + i, so choices differ and repeat. Merged
     into one response or one stream whose chunks carry their choice's ``index``; usage counts each
     prompt once and every choice's tokens.
 
@@ -193,9 +195,9 @@ async def generate_n(st: ServerState, request: Request, req, kind: str, prompts:
     group = new_group()
     if req.stream:
         queue: asyncio.Queue = asyncio.Queue()
-        jobs = await _submit_all(st, req, kind, prompts, each, logprobs, fmts, queue, grammar, group)
+        jobs = await _submit_all(st, req, kind, prompts, each, logprobs, fmts, queue, grammar, group, images)
         return JobStream(multi_stream(queue, fmts, jobs), on_close=lambda: [st.scheduler.cancel(j) for j in jobs])
-    got = await _gather(st, request, req, kind, prompts, each, logprobs, fmts, grammar, group)
+    got = await _gather(st, request, req, kind, prompts, each, logprobs, fmts, grammar, group, images)
     if isinstance(got, Response):
         return got
     out = got[0]
@@ -210,7 +212,7 @@ async def generate_n(st: ServerState, request: Request, req, kind: str, prompts:
 
 
 async def generate_prompts(st: ServerState, request: Request, req, prompts: list[list[int]], params: SamplingParams,
-                           n_probs, fmts: list[NativeFormatter], grammar):
+                           n_probs, fmts: list[NativeFormatter], grammar, images=None):
     """Several ``/completion`` prompts: one job each, in parallel as slots allow (every prompt's
     length checked before any runs); an array of results in order, or one stream whose events carry
     their prompt's ``index`` (llama-server's).
@@ -224,10 +226,10 @@ async def generate_prompts(st: ServerState, request: Request, req, prompts: list
     each = [params] * len(prompts)
     if req.stream:  # one stream, each event tagged with its prompt's index (llama-server's)
         queue: asyncio.Queue = asyncio.Queue()
-        jobs = await _submit_all(st, req, "completion", prompts, each, n_probs, fmts, queue, grammar, group)
+        jobs = await _submit_all(st, req, "completion", prompts, each, n_probs, fmts, queue, grammar, group, images)
         return JobStream(native_multi_stream(queue, fmts, jobs),
                          on_close=lambda: [st.scheduler.cancel(j) for j in jobs])
-    got = await _gather(st, request, req, "completion", prompts, each, n_probs, fmts, grammar, group)
+    got = await _gather(st, request, req, "completion", prompts, each, n_probs, fmts, grammar, group, images)
     if isinstance(got, Response):
         return got
     return [{**r, "index": i} for i, r in enumerate(got)]

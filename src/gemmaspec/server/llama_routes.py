@@ -25,7 +25,7 @@ from .parse import ChatRequest, NativeCompletionRequest, json_body, refuse_unsup
 from .responses import NativeFormatter, TokenText, fingerprint, generation_settings, slot_fields
 from .state import ServerState
 from .tools import parse_tools
-from .translate import (chat_prompt, check_slot, continuation, grammar_of, native_prompts, request_params,
+from .translate import (chat_prompt, check_slot, continuation, grammar_of, native_inputs, request_params,
                         spec_overrides, template_kwargs)
 
 router = APIRouter()
@@ -218,7 +218,10 @@ async def native_completion(request: Request, st: ServerState = Depends(loaded))
     req = validate(NativeCompletionRequest, body)
     e, model_id = st.engine, st.model.model_id
     params = request_params(req, st.cfg, e, -1)
-    prompts = native_prompts(req.prompt, e)
+    vision = st.model.vision
+    inputs = native_inputs(req.prompt, e) if vision is None else \
+        await asyncio.to_thread(native_inputs, req.prompt, e, vision)  # images: encoded off the event loop
+    prompts, images = [ids for ids, _ in inputs], [spans for _, spans in inputs]
     if body.get("n_probs") is None and req.logprobs is not None:  # llama-server's alias
         req.n_probs = req.logprobs
     if not 0 <= req.n_probs <= 20:
@@ -238,8 +241,8 @@ async def native_completion(request: Request, st: ServerState = Depends(loaded))
     n_probs = req.n_probs if req.n_probs else None
     if len(prompts) == 1:
         return await jobs.generate(st, request, req, "completion", prompts[0], params, n_probs, fmts[0],
-                                   want_slot=req.id_slot, grammar=grammar)
-    return await jobs.generate_prompts(st, request, req, prompts, params, n_probs, fmts, grammar)
+                                   want_slot=req.id_slot, grammar=grammar, images=images[0])
+    return await jobs.generate_prompts(st, request, req, prompts, params, n_probs, fmts, grammar, images)
 
 
 @router.post("/infill")

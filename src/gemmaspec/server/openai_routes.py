@@ -22,7 +22,7 @@ from .responses import Formatter, NativeFormatter, generation_settings
 from .state import ServerState
 from .tools import tools_grammar
 from .translate import (MAX_CHOICES, chat_ids, check_context, check_slot, completion_prompts, grammar_of,
-                        include_usage, request_params, spec_overrides)
+                        has_prompt_object, include_usage, native_inputs, request_params, spec_overrides)
 
 router = APIRouter()
 
@@ -74,7 +74,9 @@ async def completions(request: Request, st: ServerState = Depends(loaded)):
     req = validate(CompletionRequest, body)
     e = st.engine
     params = request_params(req, st.cfg, e, 16, MAX_CHOICES)
-    prompts = completion_prompts(req.prompt, e)
+    prompts, images = await completion_inputs(req.prompt, st)
+    if any(images) and req.n > 1:
+        raise APIError(400, "n > 1 is not supported together with images (one choice per prompt with images)")
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts × n = {req.n} make {len(prompts) * req.n} choices (at most "
                             f"{MAX_CHOICES})")
@@ -92,9 +94,22 @@ async def completions(request: Request, st: ServerState = Depends(loaded)):
         for p in prompts:  # all or none: check every prompt before any runs
             check_context(p, e.ctx_size, st.cfg.context_shift)
         return await jobs.generate_n(st, request, req, "completions", [p for p in prompts for _ in range(req.n)],
-                                     params, req.logprobs, fmts, grammar)
+                                     params, req.logprobs, fmts, grammar, [im for im in images for _ in range(req.n)])
     return await jobs.generate(st, request, req, "completions", ids, params, req.logprobs, fmts[0],
-                               want_slot=req.id_slot, grammar=grammar)
+                               want_slot=req.id_slot, grammar=grammar, images=images[0])
+
+
+async def completion_inputs(prompt, st: ServerState) -> tuple[list[list[int]], list[list]]:
+    """``/v1/completions`` prompts and their images: OpenAI's forms (:func:`completion_prompts`), or
+    llama-server's prompt objects, with ``multimodal_data`` too (:func:`native_inputs`, as
+    llama-server reads them here as on ``/completion``; images are encoded off the event loop)."""
+    if not has_prompt_object(prompt):
+        prompts = completion_prompts(prompt, st.engine)
+        return prompts, [[] for _ in prompts]
+    vision = st.model.vision
+    got = native_inputs(prompt, st.engine) if vision is None else \
+        await asyncio.to_thread(native_inputs, prompt, st.engine, vision)
+    return [ids for ids, _ in got], [spans for _, spans in got]
 
 
 def _top_logprobs(req: ChatRequest) -> int | None:
@@ -152,4 +167,4 @@ async def _chat_ids(req, body, st: ServerState):
     vision = st.model.vision
     if vision is None:
         return chat_ids(req, body, st.engine.tokenizer)
-    return await asyncio.to_thread(chat_ids, req, body, st.engine.tokenizer, vision)
+    return await asyncio.to_thread(chat_ids, req, body, st.engine.tokenizer, vision, st.cfg.allow_image_urls)

@@ -67,7 +67,8 @@ class GenerationRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
     """OpenAI's ``POST /v1/completions``."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]  # OpenAI's four forms
+    # OpenAI's four forms, and llama-server's prompt objects ({"prompt_string", "multimodal_data"})
+    prompt: str | list[int] | list[str] | list[list[int]] | dict | list[str | dict | list[int | str]]
     logprobs: int | None = None
 
 

@@ -9,14 +9,16 @@ value the engine cannot run.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ..errors import GemmaspecError
-from ..multimodal import MARK, chat_image_ids
+from ..multimodal import MARK, chat_image_ids, marked_prompt
 from ..sampling import SamplingParams
 from ..seeds import llama_seed
 from ..speculative.options import parse_n_max
 from .apierror import APIError
-from .images import IMAGE_PARTS, image_bytes, prepare_images, refused_part
+from .images import (IMAGE_PARTS, MEDIA_MARKER, image_bytes, media_data, no_projector, prepare_images,
+                     refused_part)
 from .parse import MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOP_STRINGS, ChatRequest, GenerationRequest
 from .tools import parse_tools, render_history, with_tools_prompt
 
@@ -221,50 +223,89 @@ def grammar_of(body: dict):
         raise APIError(400, str(exc)) from None
 
 
-def _prompt_object(p, where: str = "prompt"):
-    """llama-server's JSON-object prompt ``{"prompt_string": "text"}`` → its text (or mix); images
-    (``multimodal_data``) are refused by name."""
+@dataclass(frozen=True)
+class MediaPrompt:
+    """llama-server's prompt object with images: ``{"prompt_string": text, "multimodal_data": [base64]}``,
+    each image standing at a :data:`~gemmaspec.server.images.MEDIA_MARKER` of the text."""
+
+    text: str
+    images: list  # (where, bytes) pairs
+    where: str
+
+
+def _prompt_object(p, where: str = "prompt", vision: bool = False):
+    """llama-server's JSON-object prompt ``{"prompt_string": "text"}`` → its text (or mix); with a
+    non-empty ``multimodal_data`` a :class:`MediaPrompt` (400 without a vision tower, ``vision``)."""
     if not isinstance(p, dict):
         return p
-    if p.get("multimodal_data"):
-        raise APIError(400, f"{where}.multimodal_data: images are not supported by gemmaspec (a text-only model)")
     text = p.get("prompt_string")
     if not (isinstance(text, str) or isinstance(text, list) and text
             and all(isinstance(x, (int, str)) and not isinstance(x, bool) for x in text)):
         raise APIError(400, f"{where}: a prompt object needs 'prompt_string' (the prompt's text)")
-    return text
+    if p.get("multimodal_data") in (None, []):
+        return text
+    if not vision:
+        raise no_projector(f"{where}.multimodal_data")
+    if not isinstance(text, str):
+        raise APIError(400, f"{where}.prompt_string must be text when the object has multimodal_data "
+                            f"(with a {MEDIA_MARKER} marker where each image goes)")
+    return MediaPrompt(text, media_data(p["multimodal_data"], f"{where}.multimodal_data"), where)
 
 
 def native_prompts(prompt, engine) -> list[list[int]]:
+    """The token ids of :func:`native_inputs` without a vision tower (text prompts only)."""
+    return [ids for ids, _ in native_inputs(prompt, engine)]
+
+
+def native_inputs(prompt, engine, vision=None) -> list[tuple[list[int], list]]:
     """The prompts of a ``/completion`` request, as llama-server reads ``prompt``: text, token ids or a
-    mix of both is one prompt, and so is a JSON object ``{"prompt_string": ...}`` holding one; a list
-    of texts (or such objects), or a list of such lists, is several (answered with an array of
-    results, in order).
+    mix of both is one prompt, and so is a JSON object ``{"prompt_string": ...}`` holding one (with
+    ``multimodal_data``: images at its ``<__media__>`` markers, for ``vision``, the loaded tower); a
+    list of texts (or such objects), or a list of such lists, is several (answered with an array of
+    results, in order). Each as ``(ids, image spans)``. Encoding images takes a while: with images,
+    call it off the event loop.
 
     Raises:
-        APIError: 400 for an empty list, an empty prompt, an id outside the vocabulary, or a prompt
-            object without ``prompt_string`` or with images (``multimodal_data``).
+        APIError: 400 for an empty list, an empty prompt, an id outside the vocabulary, a prompt
+            object without ``prompt_string``, or images that cannot be used (no ``--mmproj``,
+            marker count, bad base64 or image).
     """
     if isinstance(prompt, list) and not prompt:
         raise APIError(400, "the prompt is empty")
-    prompt = _prompt_object(prompt)
+    has = vision is not None
+    prompt = _prompt_object(prompt, "prompt", has)
     if isinstance(prompt, list) and any(isinstance(p, dict) for p in prompt):  # objects among several prompts
         if any(isinstance(p, int) for p in prompt):
             raise APIError(400, "prompt: a prompt object can only stand among other prompts, not among token ids")
-        prompt = [_prompt_object(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        prompt = [_prompt_object(p, f"prompt[{i}]", has) for i, p in enumerate(prompt)]
         if len(prompt) == 1:
             prompt = prompt[0]
         elif all(isinstance(p, str) for p in prompt):
             pass
         else:
-            prompt = [p if isinstance(p, list) else [p] for p in prompt]
+            prompt = [p if isinstance(p, (list, MediaPrompt)) else [p] for p in prompt]
     several = isinstance(prompt, list) and (all(isinstance(p, str) for p in prompt) and len(prompt) > 1
-                                             or any(isinstance(p, list) for p in prompt))
+                                             or any(isinstance(p, (list, MediaPrompt)) for p in prompt))
     if not several:
-        return [completion_prompt(prompt, engine)]
-    if not all(isinstance(p, str) or isinstance(p, list) and all(isinstance(x, (int, str)) for x in p) for p in prompt):
+        return [_native_input(prompt, engine, vision)]
+    if not all(isinstance(p, (str, MediaPrompt)) or isinstance(p, list) and all(isinstance(x, (int, str)) for x in p)
+               for p in prompt):
         raise APIError(400, "prompt: a list of prompts holds only texts or lists (of token ids and texts)")
-    return [completion_prompt(p, engine) for p in prompt]
+    return [_native_input(p, engine, vision) for p in prompt]
+
+
+def _native_input(p, engine, vision) -> tuple[list[int], list]:
+    if not isinstance(p, MediaPrompt):
+        return completion_prompt(p, engine), []
+    try:
+        return marked_prompt(engine.tokenizer, vision.model, p.text, prepare_images(p.images, vision), MEDIA_MARKER)
+    except GemmaspecError as exc:
+        raise APIError(400, f"{p.where}: {exc}") from None
+
+
+def has_prompt_object(prompt) -> bool:
+    """Whether a ``/v1/completions`` prompt is (or lists) llama-server's prompt objects."""
+    return isinstance(prompt, dict) or isinstance(prompt, list) and any(isinstance(p, dict) for p in prompt)
 
 
 def spec_overrides(req, cfg) -> tuple[int | str, int, float | None]:
@@ -314,7 +355,7 @@ def spec_choose(req, cfg) -> bool:
     return cfg.choose_n if fixed is None else not fixed
 
 
-def chat_messages(req: ChatRequest, images: list | None = None) -> list[dict]:
+def chat_messages(req: ChatRequest, images: list | None = None, allow_urls: bool = False) -> list[dict]:
     """The chat template's messages from a chat request: roles checked (``developer`` becomes
     ``system``), text content parts joined. ``tool`` messages and assistant ``tool_calls`` pass
     through here as they are; :func:`gemmaspec.server.tools.render_history` turns them into text.
@@ -347,7 +388,8 @@ def chat_messages(req: ChatRequest, images: list | None = None) -> list[dict]:
                 if part.get("type") == "text" and not isinstance(part.get("text"), str):
                     raise APIError(400, f"messages[{i}].content[{j}].text must be a string")
                 if part.get("type") in IMAGE_PARTS and images is not None:
-                    images.append((f"messages[{i}].content[{j}]", image_bytes(part, f"messages[{i}].content[{j}]")))
+                    where = f"messages[{i}].content[{j}]"
+                    images.append((where, image_bytes(part, where, allow_urls)))
                     parts.append(MARK)
                     continue
                 if part.get("type") != "text":
@@ -451,7 +493,7 @@ def template_kwargs(req: ChatRequest) -> dict | None:
     return kw or None
 
 
-def chat_prompt(req: ChatRequest, spec, images: list | None = None) -> list[dict]:
+def chat_prompt(req: ChatRequest, spec, images: list | None = None, allow_urls: bool = False) -> list[dict]:
     """The template's messages: tool parts of the history as text, the tools (``spec``, a
     :class:`~gemmaspec.server.tools.ToolSpec` or None) in the system turn; ``images`` as in
     :func:`chat_messages`.
@@ -459,22 +501,24 @@ def chat_prompt(req: ChatRequest, spec, images: list | None = None) -> list[dict
     Raises:
         APIError: 400 as :func:`chat_messages`.
     """
-    messages = render_history(chat_messages(req, images), req.messages)
+    messages = render_history(chat_messages(req, images, allow_urls), req.messages)
     return with_tools_prompt(messages, spec) if spec is not None else messages
 
 
-def chat_ids(req: ChatRequest, body: dict, tokenizer, vision=None) -> tuple[list[int], object, list]:
+def chat_ids(req: ChatRequest, body: dict, tokenizer, vision=None, allow_urls: bool = False
+             ) -> tuple[list[int], object, list]:
     """A chat request's prompt ids, its tools (a :class:`~gemmaspec.server.tools.ToolSpec` or
     None) and its images (:class:`~gemmaspec.multimodal.ImageSpan`, encoded by ``vision``, the loaded
     tower or None): rendered with the template, the generation prompt or the continuation of a final
-    assistant message as the request says. Encoding images takes a while: call it off the event loop.
+    assistant message as the request says; ``allow_urls`` (``--allow-image-urls``): ``http(s)`` image
+    URLs are fetched. Encoding (and fetching) images takes a while: call it off the event loop.
 
     Raises:
         APIError: 400 for bad messages, tools, images or template variables, or a template that fails.
     """
     spec = parse_tools(body)
     raw = [] if vision is not None else None
-    messages = chat_prompt(req, spec, raw)
+    messages = chat_prompt(req, spec, raw, allow_urls)
     agp, cont = continuation(req)
     opts = {"add_generation_prompt": agp, "continue_final": cont, "template_kwargs": template_kwargs(req)}
     try:

@@ -1,7 +1,9 @@
 // Talking to gemmaspec serve: request bodies built from the settings, and the server-sent events of
 // a streamed reply. Only fields the server documents are sent (docs/server.md): samplers, seed,
 // max tokens, speculative.n_max (0 turns drafting off for the request), return_provenance (where
-// each token came from) and timings_per_token (so a stopped reply still has its figures).
+// each token came from) and timings_per_token (so a stopped reply still has its figures). A user
+// message's images (data URLs) go as OpenAI image_url parts before its text, or on /completion as
+// llama-server's multimodal_data with a <__media__> marker each, before the text.
 
 /** Request headers, with the API key when one is set. */
 export function headers(apiKey) {
@@ -33,16 +35,27 @@ export function commonFields(s) {
 export function chatBody(s, messages) {
   const msgs = [];
   if (s.system && s.system.trim()) msgs.push({ role: "system", content: s.system });
-  for (const m of messages) msgs.push({ role: m.role === "assistant" ? "assistant" : "user", content: m.content });
+  for (const m of messages) {
+    const role = m.role === "assistant" ? "assistant" : "user";
+    if (role === "user" && m.images && m.images.length) {
+      const parts = m.images.map((url) => ({ type: "image_url", image_url: { url } }));
+      msgs.push({ role, content: [...parts, { type: "text", text: m.content }] });
+    } else msgs.push({ role, content: m.content });
+  }
   const body = { messages: msgs, ...commonFields(s) };
   const n = num(s.max_tokens, (x) => parseInt(x, 10));
   if (n !== undefined) body.max_tokens = n;
   return body;
 }
 
-/** A /completion body (llama-server's native endpoint): the prompt as text. */
-export function completionBody(s, prompt) {
+/** A /completion body (llama-server's native endpoint): the prompt as text; with images (data URLs)
+ * llama-server's prompt object, a <__media__> marker per image before the text. */
+export function completionBody(s, prompt, images) {
   const body = { prompt, ...commonFields(s) };
+  if (images && images.length) {
+    body.prompt = { prompt_string: "<__media__>".repeat(images.length) + prompt,
+                    multimodal_data: images.map((u) => u.slice(u.indexOf(",") + 1)) };
+  }
   const n = num(s.max_tokens, (x) => parseInt(x, 10));
   if (n !== undefined) body.n_predict = n;
   return body;

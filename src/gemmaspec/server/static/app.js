@@ -1,5 +1,7 @@
 // The chat page's controller: conversations, sending and streaming, Stop, edit / regenerate / copy,
-// the settings panel, the theme, and the text-completion mode for a base model.
+// the settings panel, the theme, the text-completion mode for a base model, and images attached to a
+// message (file picker, paste, drop) when the server has a vision tower.
+import { downscale, imageFiles, thumb } from "./attach.js";
 import { chatBody, completionBody, errorText, events, headers, piece } from "./api.js";
 import { copyText } from "./markdown.js";
 import { entriesOf } from "./spec.js";
@@ -10,8 +12,10 @@ const $ = (id) => document.getElementById(id);
 const log = $("log"), input = $("input"), sendBtn = $("send"), stopBtn = $("stop"), empty = $("empty");
 const store = new ChatStore();
 let settings = loadSettings();
-let server = { isBase: null, spec: null };  // from /props
+let server = { isBase: null, spec: null, vision: false };  // from /props
 let controller = null;  // the running request's AbortController
+let attached = [];  // the composer's images (downscaled data URLs), sent with the next message
+let attaching = Promise.resolve();  // images still being decoded and downscaled
 
 // -- settings -------------------------------------------------------------------------------------
 const FIELDS = { mode: "mode", system: "system", max_tokens: "max-tokens", temperature: "temperature",
@@ -184,7 +188,7 @@ async function generate() {
     });
   };
   try {
-    const body = m === "completion" ? completionBody(settings, last.content)
+    const body = m === "completion" ? completionBody(settings, last.content, last.images)
       : chatBody(settings, chat.messages.slice(0, -1));
     const r = await fetch(m === "completion" ? "completion" : "v1/chat/completions", {
       method: "POST", headers: headers(settings.apikey), body: JSON.stringify(body), signal: controller.signal });
@@ -220,20 +224,62 @@ async function generate() {
   renderSidebar();
 }
 
-function send(text) {
+function send(text, images) {
   const chat = store.current || store.create();
-  chat.messages.push({ role: "user", content: text, mode: mode() });
+  chat.messages.push({ role: "user", content: text, mode: mode(), ...(images.length ? { images } : {}) });
   store.touch(chat);
   renderAll();
   generate();
 }
 
-$("form").addEventListener("submit", (ev) => {
+$("form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
+  await attaching;
   const text = input.value;
-  if (!text.trim() || controller) return;
+  if ((!text.trim() && !attached.length) || controller) return;
   input.value = "";
-  send(text);
+  const images = attached;
+  attached = [];
+  renderAttachments();
+  send(text, images);
+});
+
+// -- images ---------------------------------------------------------------------------------------
+function renderAttachments() {
+  const box = $("attachments");
+  box.textContent = "";
+  attached.forEach((url, i) => box.appendChild(thumb(url, () => { attached.splice(i, 1); renderAttachments(); })));
+  box.hidden = !attached.length;
+}
+
+/** Attach the image files among `files` (each downscaled, see attach.js); other files are refused. */
+function attachFiles(files) {
+  const all = Array.from(files || []), images = imageFiles(all);
+  if (all.length > images.length) errorBubble("only images can be attached (PNG, JPEG, WebP, GIF, BMP)");
+  attaching = attaching.then(async () => {
+    for (const f of images) {
+      try { attached.push(await downscale(f)); } catch (e) { errorBubble(e.message); }
+    }
+    renderAttachments();
+  });
+  return attaching;
+}
+
+$("attach").addEventListener("click", () => $("file").click());
+$("file").addEventListener("change", () => { attachFiles($("file").files); $("file").value = ""; });
+input.addEventListener("paste", (ev) => {  // a pasted image is attached; pasted text stays text
+  const files = imageFiles(ev.clipboardData && ev.clipboardData.files);
+  if (!server.vision || !files.length) return;
+  ev.preventDefault();
+  attachFiles(files);
+});
+$("form").addEventListener("dragover", (ev) => { if (server.vision) { ev.preventDefault(); $("form").classList.add("drop"); } });
+$("form").addEventListener("dragleave", () => $("form").classList.remove("drop"));
+$("form").addEventListener("drop", (ev) => {
+  $("form").classList.remove("drop");
+  if (!server.vision || !ev.dataTransfer || !ev.dataTransfer.files.length) return;
+  ev.preventDefault();
+  attachFiles(ev.dataTransfer.files);
 });
 input.addEventListener("keydown", (ev) => {
   if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); $("form").requestSubmit(); }
@@ -295,7 +341,9 @@ async function loadProps() {
     const r = await fetch("props", { headers: headers(settings.apikey) });
     if (!r.ok) return;
     const p = await r.json();
-    server = { isBase: typeof p.is_base_model === "boolean" ? p.is_base_model : null, spec: p.speculative || null };
+    server = { isBase: typeof p.is_base_model === "boolean" ? p.is_base_model : null, spec: p.speculative || null,
+               vision: !!(p.modalities && p.modalities.vision) };  // llama-server's: a vision tower is loaded
+    $("attach").hidden = !server.vision;
     const sp = server.spec;
     if (sp) $("model").textContent += ` · ${sp.type === "none" ? "no speculation" : sp.type + ", n-max " + sp.n_max}` +
                                        (server.isBase ? " · base model" : "");

@@ -28,7 +28,8 @@ function newId() {
 }
 
 /** The conversations: `chats` (newest first), each `{id, title, renamed, messages, updated}`; a
- * message is `{role: "user", content, mode}` or `{role: "assistant", content, tokens, stats}`. */
+ * message is `{role: "user", content, mode, images}` (images: downscaled JPEG data URLs, see
+ * attach.js) or `{role: "assistant", content, tokens, stats}`. */
 export class ChatStore {
   constructor() {
     let d = null;
@@ -43,16 +44,23 @@ export class ChatStore {
   }
 
   /** Keep everything; when the browser's quota is full, the oldest conversations' token colours
-   * go first, then the oldest conversations. */
+   * go first, then their images (a note says how many), then the oldest conversations. */
   save() {
     for (;;) {
       try {
         localStorage.setItem(CHATS_KEY, JSON.stringify({ current: this.currentId, chats: this.chats }));
         return;
       } catch (e) {
-        const old = [...this.chats].reverse().find((c) => c.messages.some((m) => m.tokens));
-        if (old) old.messages.forEach((m) => delete m.tokens);
-        else if (this.chats.length > 1) this.chats.pop();
+        const oldest = (has) => [...this.chats].reverse().find((c) => c.messages.some(has));
+        const withTokens = oldest((m) => m.tokens), withImages = oldest((m) => m.images && m.images.length);
+        if (withTokens) withTokens.messages.forEach((m) => delete m.tokens);
+        else if (withImages) {
+          for (const m of withImages.messages) {
+            if (!m.images || !m.images.length) continue;
+            m.imagesDropped = (m.imagesDropped || 0) + m.images.length;
+            delete m.images;
+          }
+        } else if (this.chats.length > 1) this.chats.pop();
         else return;
       }
     }
@@ -88,8 +96,8 @@ export class ChatStore {
     if (!this.chats.includes(chat)) return;  // deleted meanwhile
     chat.updated = Date.now();
     if (!chat.renamed && chat.messages.length) {
-      const first = chat.messages[0].content.replace(/\s+/g, " ").trim();
-      chat.title = first.length > 48 ? first.slice(0, 47) + "…" : first || "New chat";
+      const m0 = chat.messages[0], first = m0.content.replace(/\s+/g, " ").trim();
+      chat.title = first.length > 48 ? first.slice(0, 47) + "…" : first || (m0.images && m0.images.length ? "Image" : "New chat");
     }
     this.chats = [chat, ...this.chats.filter((c) => c !== chat)];
     this.save();

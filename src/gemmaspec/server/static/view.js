@@ -1,6 +1,7 @@
 // The conversation's messages as DOM: user messages as plain text, replies as sanitised markdown
 // (chat) or plain text (text completion), or as coloured tokens with the speculation panel; under
 // each reply its figures (tokens, tokens/s, draft acceptance, time to first token).
+import { thumb } from "./attach.js";
 import { renderMarkdown } from "./markdown.js";
 import { renderTokens, specPanel } from "./spec.js";
 
@@ -69,6 +70,18 @@ export function messageEl(msg, index, tokenView) {
   } else {
     div.className = "msg user" + (msg.mode === "completion" ? " prompt" : "");
     text.textContent = msg.content;
+    if (msg.images && msg.images.length) {  // the images the message carried, above its text
+      const imgs = document.createElement("div");
+      imgs.className = "images";
+      for (const url of msg.images) imgs.appendChild(thumb(url));
+      div.insertBefore(imgs, text);
+    }
+    if (msg.imagesDropped) {
+      const note = document.createElement("div");
+      note.className = "muted";
+      note.textContent = `(${msg.imagesDropped} image(s) removed to fit the browser's storage)`;
+      div.insertBefore(note, text);
+    }
     tools.append(button("edit", "edit", "Edit this message and generate again"), button("copy-msg", "copy", "Copy"));
     div.appendChild(tools);
   }
