@@ -1,9 +1,11 @@
 """Prompts with images: the image placeholders expanded to the vision tower's tokens, and the images
 encoded into the embeddings the target reads at those positions.
 
-The tower says how an image is written (``image_text()``: for Gemma 3, blank lines, BOI, one
-placeholder token per soft token, EOI, blank lines, as transformers' processor writes it) and which
-marker stands for an image in a prompt (``placeholders()``: the chat template's ``<start_of_image>``).
+The tower says how an image is written (``image_text(n)``: for Gemma 3, blank lines, BOI, one
+placeholder token per soft token, EOI, blank lines; for Gemma 4, BOI, placeholders, EOI; as
+transformers' processors write them), how many soft tokens an image has (``image_tokens(image)``:
+fixed for Gemma 3, from the image's size for Gemma 4) and which marker stands for an image in a
+prompt (``placeholders()``: the chat template's ``<start_of_image>`` or ``<|image|>``).
 A raw prompt may spell the marker where each image goes (else the images come first, as
 llama-mtmd-cli puts them); a chat prompt gets the images at the start of the user's turn.
 """
@@ -32,20 +34,35 @@ class ImageSpan:
         return self.start + self.embeddings.shape[0]
 
 
-def _spans(ids: list[int], image_id: int, n: int) -> list[int]:
-    starts, i = [], 0
+def _spans(ids: list[int], image_id: int, counts: list[int]) -> list[int]:
+    """Where each image's placeholder run starts: runs of ``image_id`` taken in order, each holding
+    whole images of ``counts[i]`` tokens (a raw prompt may spell several images in one run)."""
+    starts, i, k = [], 0, 0
     while i < len(ids):
-        if ids[i] == image_id:
-            run = i
-            while run < len(ids) and ids[run] == image_id:
-                run += 1
-            if (run - i) % n:
-                raise InputError(f"the prompt spells {run - i} image placeholder tokens; an image has {n}")
-            starts += list(range(i, run, n))
-            i = run
-        else:
+        if ids[i] != image_id:
             i += 1
+            continue
+        run = i
+        while run < len(ids) and ids[run] == image_id:
+            run += 1
+        at = i
+        while at < run and k < len(counts):
+            starts.append(at)
+            at, k = at + counts[k], k + 1
+        if at != run:
+            raise InputError(f"the prompt spells {run - i} image placeholder tokens where its images have "
+                             f"{at - i if at > i else 0}")
+        i = run
     return starts
+
+
+def _expand(text: str, marker: str, vision, images: list[Image]) -> str:
+    """``text`` with its i-th ``marker`` replaced by the tower's text for image i (its own token count)."""
+    parts = text.split(marker)
+    out = [parts[0]]
+    for im, part in zip(images, parts[1:]):
+        out += [vision.image_text(vision.image_tokens(im)), part]
+    return "".join(out)
 
 
 MARK = "\ufdd3"
@@ -74,7 +91,7 @@ def image_prompt(tokenizer, vision, prompt: str, images: list[Image], chat: bool
     text = prompt if marker in prompt else marker * len(images) + prompt
     if text.count(marker) != len(images):
         raise InputError(f"the prompt has {text.count(marker)} image markers ({marker}) for {len(images)} images")
-    return _with_images(tokenizer, vision, tokenizer.encode(text.replace(marker, vision.image_text())), images)
+    return _with_images(tokenizer, vision, tokenizer.encode(_expand(text, marker, vision, images)), images)
 
 
 def marked_prompt(tokenizer, vision, text: str, images: list[Image], marker: str) -> tuple[list[int], list]:
@@ -117,7 +134,7 @@ def chat_image_ids(tokenizer, vision, messages: list[dict], images: list[Image],
     text = tokenizer.apply_chat_template(messages, **template)
     if text.count(MARK) != len(images):
         raise InputError(f"the chat template wrote {text.count(MARK)} of the {len(images)} images")
-    return _with_images(tokenizer, vision, tokenizer.encode(text.replace(MARK, vision.image_text())), images, encoded)
+    return _with_images(tokenizer, vision, tokenizer.encode(_expand(text, MARK, vision, images)), images, encoded)
 
 
 def _image_id(tokenizer, vision) -> int:
@@ -129,13 +146,13 @@ def _image_id(tokenizer, vision) -> int:
 
 
 def _with_images(tokenizer, vision, ids: list[int], images: list[Image], encoded: dict | None = None):
-    starts = _spans(ids, _image_id(tokenizer, vision), vision.tokens_per_image)
+    starts = _spans(ids, _image_id(tokenizer, vision), [vision.image_tokens(im) for im in images])
     if len(starts) != len(images):
         raise InputError(f"the prompt holds {len(starts)} images' placeholders for {len(images)} images")
     cache = {} if encoded is None else encoded
     new = [im for im in {im.key: im for im in images}.values() if im.key not in cache]
     if new:
-        cache.update(zip((im.key for im in new), vision.encode(torch.stack([im.pixels for im in new]))))
+        cache.update(zip((im.key for im in new), vision.embed(new)))
     return ids, [ImageSpan(s, cache[im.key], im.key) for s, im in zip(starts, images)]
 
 

@@ -53,7 +53,8 @@ def run_convert(args) -> int:
         write_mmproj(args.hf_dir, args.out, force=args.force, outtype="f32" if args.outtype == "f32" else "f16")
         v = load_vision(args.out)
         print(f"wrote {args.out}: mmproj ({v.arch.name} projector), {v.config.num_layers} encoder layers, "
-              f"{v.config.tokens_per_image} tokens per image, in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+              f"{'up to ' if getattr(v.config, 'preprocessing', '') == 'patches' else ''}"
+              f"{v.model.tokens_per_image} tokens per image, in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         return 0
     info = convert(args.hf_dir, args.out, args.outtype, force=args.force)
     types = ", ".join(f"{n} {k}" for k, n in sorted(info["types"].items()))

@@ -17,7 +17,7 @@ def add_image_flags(p: argparse.ArgumentParser) -> None:
                    help="an image for the prompt (PNG, JPEG, WebP, GIF, BMP; repeatable); needs --mmproj")
     p.add_argument("--mmproj", default=None, metavar="FILE",
                    help="the model's vision projector: an mmproj GGUF (llama.cpp's) or the multimodal "
-                        "checkpoint directory (Gemma 3)")
+                        "checkpoint directory (Gemma 3, Gemma 4)")
 
 
 def image_prompt_ids(args, engine, prompt: str):
@@ -49,7 +49,7 @@ def load_projector(path, engine):
     from ..loading.vision import check_pair, load_vision
 
     if "images" not in inspect.signature(engine.model.forward).parameters:
-        raise InputError("this model does not take images (only Gemma 3 targets do so far)")
+        raise InputError("this model does not take images (Gemma 3 and Gemma 4 targets do)")
     vision = load_vision(path, device=getattr(engine.model, "device", "cpu"))
     check_pair(vision, engine.model.config)
     return vision

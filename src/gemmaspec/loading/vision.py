@@ -1,8 +1,9 @@
 """Vision towers (``--mmproj``): loaded from llama.cpp's mmproj GGUF files and from Hugging Face
 multimodal checkpoint directories, and written as mmproj GGUF files.
 
-An mmproj GGUF has ``general.architecture = "clip"``, ``clip.projector_type`` (``gemma3``) and the
-``clip.vision.*`` keys of ``gguf.Keys.ClipVision``; tensors ``v.*`` (encoder) and ``mm.*``
+An mmproj GGUF has ``general.architecture = "clip"``, ``clip.projector_type`` (``gemma3``) or
+``clip.vision.projector_type`` (``gemma4v``, whose files may also hold an audio encoder, unused here)
+and the ``clip.vision.*`` keys of ``gguf.Keys.ClipVision``; tensors ``v.*`` (encoder) and ``mm.*``
 (projector), as llama.cpp's ``convert_hf_to_gguf.py --mmproj`` writes them. A multimodal checkpoint
 directory has ``config.json`` with ``vision_config`` and ``preprocessor_config.json`` (mean, std).
 The tower's entry in :data:`gemmaspec.models.registry.VISION_TOWERS` gives its config class, its
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError, ModelFileError
-from ..models.registry import Architecture, vision_by_hf_model_type, vision_by_projector
+from ..models.registry import Architecture, vision_by_hf_model_type, vision_by_projector, vision_for
 from .gguf import GGUFMeta, build_model, open_reader, tensor_weight
 from .safetensors import gguf_named, hf_checkpoint, read_config
 
@@ -29,7 +30,8 @@ from .safetensors import gguf_named, hf_checkpoint, read_config
 @dataclass
 class LoadedVision:
     """A loaded vision tower: ``path``, ``arch`` (its registry entry), ``config``, ``model`` (with
-    ``encode(pixels)``, ``tokens_per_image``, ``image_text()``, ``placeholders()``)."""
+    ``embed(images)``, ``image_tokens(image)``, ``image_text(n)``, ``placeholders()``,
+    ``tokens_per_image``: the most an image gets)."""
 
     path: Path
     arch: Architecture
@@ -84,7 +86,8 @@ def load_vision(path: str | os.PathLike, device: torch.device | str = "cpu") -> 
         projector = meta.get(gguf.Keys.Clip.PROJECTOR_TYPE) or meta.get(gguf.Keys.ClipVision.PROJECTOR_TYPE)
         arch = vision_by_projector(str(projector), str(p))
         config = arch.config_class.from_gguf(meta)
-        weights = {t.name: tensor_weight(header, t) for t in header.tensors if t.name.startswith(("v.", "mm."))}
+        weights = {t.name: tensor_weight(header, t) for t in header.tensors
+                   if t.name.startswith(("v.", "mm.")) and not t.name.startswith("mm.a.")}
     model = build_model(arch, config, weights, p)
     if torch.device(device).type != "cpu":
         model = model.to(device)
@@ -92,11 +95,19 @@ def load_vision(path: str | os.PathLike, device: torch.device | str = "cpu") -> 
 
 
 def check_pair(vision: LoadedVision, target_config) -> None:
-    """Refuse a tower whose output width is not the target's.
+    """Refuse a tower made for another architecture, or whose output width is not the target's.
 
     Raises:
-        InputError: the widths differ (names both).
+        InputError: the tower serves other models (says which projector this model needs), or the
+            widths differ (names both).
     """
+    target = getattr(target_config, "architecture", None)
+    if target is not None and vision.arch.pairs and target not in vision.arch.pairs:
+        wanted = vision_for(target)
+        use = (f"pass the model's own mmproj file (projector type {' or '.join(wanted)})" if wanted
+               else "this model takes no images in gemmaspec")
+        raise InputError(f"{vision.path} is a {vision.arch.name} vision projector, made for "
+                         f"{'/'.join(vision.arch.pairs)} models, but the model is {target}: {use}")
     width = getattr(target_config, "hidden_size", None)
     if width is not None and vision.config.text_hidden_size != width:
         raise InputError(f"{vision.path} projects images to width {vision.config.text_hidden_size}, but the model's "
@@ -128,17 +139,21 @@ def write_mmproj(checkpoint: str | os.PathLike, out: str | os.PathLike, force: b
     try:
         w.add_type(gguf.GGUFType.MODEL)
         w.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
-        w.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, arch.name)
-        for key, v in ((k.IMAGE_SIZE, c.image_size), (k.PATCH_SIZE, c.patch_size), (k.EMBEDDING_LENGTH, c.hidden_size),
+        extra = c.gguf_extra()
+        if k.PROJECTOR_TYPE not in extra:  # gemma4v: the per-modality key, as llama.cpp's converter writes it
+            w.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, arch.name)
+        # a variable-resolution tower has no image size: llama.cpp's converter writes 224 (unused)
+        for key, v in ((k.IMAGE_SIZE, getattr(c, "image_size", 224)), (k.PATCH_SIZE, c.patch_size),
+                       (k.EMBEDDING_LENGTH, c.hidden_size),
                        (k.FEED_FORWARD_LENGTH, c.intermediate_size), (k.PROJECTION_DIM, c.text_hidden_size),
                        (k.BLOCK_COUNT, c.num_layers), (k.Attention.HEAD_COUNT, c.num_heads)):
             w.add_uint32(key, int(v))
         w.add_array(k.IMAGE_MEAN, [float(x) for x in c.image_mean])
         w.add_array(k.IMAGE_STD, [float(x) for x in c.image_std])
-        w.add_float32(k.Attention.LAYERNORM_EPS, float(c.layer_norm_eps))
+        w.add_float32(k.Attention.LAYERNORM_EPS, float(getattr(c, "layer_norm_eps", getattr(c, "rms_norm_eps", 1e-6))))
         w.add_bool(k.USE_GELU, True)
-        if c.pool != 4:
-            w.add_uint32(k.Projector.SCALE_FACTOR, c.pool)
+        for key, (kind, v) in extra.items():
+            getattr(w, f"add_{kind}")(key, v)
         for name in sorted(stored):
             v = stored[name].load()
             v = arch.hf_value(name, v) if arch.hf_value else v

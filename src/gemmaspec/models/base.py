@@ -10,7 +10,7 @@ import torch
 import contextlib
 
 from ..kernels import SMALL_M, BlockWeight, load_library, ops_on_one_thread, threads
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, ReadPlan
 
 @dataclass
 class ForwardOutput:
@@ -285,3 +285,30 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor | None, 
     lib.gs_add_rms_norm(a.data_ptr(), None if weight is None else weight.data_ptr(), a.numel() // d, d, eps,
                         x.data_ptr(), out.data_ptr())
     return out
+
+
+def open_images(plan: ReadPlan, start: int, t: int, images, window: int | None, cache) -> ReadPlan:
+    """``plan`` with each image's rows allowed to see each other's keys (bidirectional within an
+    image, still within ``window``; Gemma 3 on every layer, Gemma 4 on sliding layers). ``images``:
+    ``[(row, embeddings [n, hidden])]`` of this forward's ``t`` rows starting at position ``start``. The new keys' columns: ``start + r`` (prefix), the last ``t``
+    (gather), ``(start + r) % ring rows`` (ring)."""
+    dev = cache.device
+    rows = torch.arange(t, device=dev)
+    if plan.mode == "prefix":
+        cols, width = start + rows, plan.end
+    elif plan.mode == "gather":
+        width = plan.mask.shape[1]
+        cols = width - t + rows
+    else:
+        width = plan.mask.shape[1]
+        cols = (start + rows) % cache.ring_rows
+    mask = (plan.mask.clone() if plan.mask is not None
+            else torch.tril(torch.ones(t, width, dtype=torch.bool, device=dev), start))
+    for row, emb in images:
+        r = torch.arange(row, row + emb.shape[0], device=dev)
+        ok = torch.ones(len(r), len(r), dtype=torch.bool, device=dev)
+        if window is not None:
+            ok = (r[:, None] - r[None, :]) < window
+        at = (r[:, None], cols[r][None, :])
+        mask[at] = mask[at] | ok
+    return ReadPlan(plan.mode, plan.end, plan.old_idx, mask)

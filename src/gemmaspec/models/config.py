@@ -165,6 +165,8 @@ class Gemma4Config:
     moe_intermediate_size: int = 0
     bos_token_id: int = 2
     eos_token_id: int = 1
+    pad_token_id: int = 0  # image rows take its per-layer embedding
+    bidirectional_vision: bool = False  # use_bidirectional_attention == "vision": images see each other (sliding layers)
     architecture: str = "gemma4"
 
     def __post_init__(self) -> None:
@@ -264,6 +266,7 @@ class Gemma4Config:
             moe_intermediate_size=int(meta.arch_get("expert_feed_forward_length", 0)),
             bos_token_id=int(meta.get("tokenizer.ggml.bos_token_id", 2)),
             eos_token_id=int(meta.get("tokenizer.ggml.eos_token_id", 1)),
+            pad_token_id=int(meta.get("tokenizer.ggml.padding_token_id", 0) or 0),
             architecture=meta.arch,
         )
 
@@ -312,6 +315,8 @@ class Gemma4Config:
             enable_moe_block=bool(c.get("enable_moe_block", False)), num_experts=c.get("num_experts") or 0,
             top_k_experts=c.get("top_k_experts") or 0, moe_intermediate_size=c.get("moe_intermediate_size") or 0,
             bos_token_id=c.get("bos_token_id", 2), eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            pad_token_id=c.get("pad_token_id") or 0,
+            bidirectional_vision=c.get("use_bidirectional_attention") == "vision",
         )
 
 

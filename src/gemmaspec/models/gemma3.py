@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from .config import Gemma3Config
 from .decode_step import run_layers
 from ..kernels import SMALL_M, BlockWeight, StackedWeight
-from ..kv_cache import KVCache, ReadPlan
-from .base import (ForwardOutput, add_rms_norm, apply_rope, attention, gelu_mul, linear, norm_rope, rms_norm,
-                   rope_cos_sin, rope_span, step_threads)
+from ..kv_cache import KVCache
+from .base import (ForwardOutput, add_rms_norm, apply_rope, attention, gelu_mul, linear, norm_rope, open_images,
+                   rms_norm, rope_cos_sin, rope_span, step_threads)
 
 
 def _fuse(parts):
@@ -235,7 +235,7 @@ class Gemma3Model:
             for row, emb in images:
                 x[row:row + emb.shape[0]] = emb.to(x.dtype)
             cache0, t0 = seqs[0][1], n
-            plans = [{kind: _open_images(plan, starts[0], t0, images, c.sliding_window if kind else None, cache0)
+            plans = [{kind: open_images(plan, starts[0], t0, images, c.sliding_window if kind else None, cache0)
                       for kind, plan in plans[0].items()}]
         fast = run_layers(self, x, seqs[0][1], starts[0], plans[0], rope) if single and not images else None
         for li, layer in enumerate(self.layers if fast is None else []):
@@ -294,29 +294,3 @@ def _linear_rows(w, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(w, BlockWeight) or x.shape[0] <= SMALL_M:
         return linear(w, x)
     return torch.cat([linear(w, x[i:i + SMALL_M]) for i in range(0, x.shape[0], SMALL_M)])
-
-
-def _open_images(plan: ReadPlan, start: int, t: int, images, window: int | None, cache) -> ReadPlan:
-    """``plan`` with each image's rows allowed to see each other's keys (bidirectional within an
-    image, still within ``window``). The new keys' columns: ``start + r`` (prefix), the last ``t``
-    (gather), ``(start + r) % ring rows`` (ring)."""
-    dev = cache.device
-    rows = torch.arange(t, device=dev)
-    if plan.mode == "prefix":
-        cols, width = start + rows, plan.end
-    elif plan.mode == "gather":
-        width = plan.mask.shape[1]
-        cols = width - t + rows
-    else:
-        width = plan.mask.shape[1]
-        cols = (start + rows) % cache.ring_rows
-    mask = (plan.mask.clone() if plan.mask is not None
-            else torch.tril(torch.ones(t, width, dtype=torch.bool, device=dev), start))
-    for row, emb in images:
-        r = torch.arange(row, row + emb.shape[0], device=dev)
-        ok = torch.ones(len(r), len(r), dtype=torch.bool, device=dev)
-        if window is not None:
-            ok = (r[:, None] - r[None, :]) < window
-        at = (r[:, None], cols[r][None, :])
-        mask[at] = mask[at] | ok
-    return ReadPlan(plan.mode, plan.end, plan.old_idx, mask)

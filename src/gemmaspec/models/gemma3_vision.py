@@ -77,6 +77,11 @@ class Gemma3VisionConfig:
         """The average-pooling kernel (and stride) over the patch grid (4 for the released models)."""
         return self.patches_per_side // math.isqrt(self.tokens_per_image)
 
+    def gguf_extra(self) -> dict:
+        """Metadata beyond the common ``clip.vision.*`` keys: ``{key: (kind, value)}`` (the pooling
+        factor, written only when it is not 4, as llama.cpp's converter does)."""
+        return {} if self.pool == 4 else {gguf.Keys.ClipVision.Projector.SCALE_FACTOR: ("uint32", self.pool)}
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
@@ -213,11 +218,19 @@ class Gemma3Vision:
     def tokens_per_image(self) -> int:
         return self.config.tokens_per_image
 
-    def image_text(self) -> str:
-        """The text that stands for one image in a prompt, as transformers' ``Gemma3Processor`` writes it
-        in place of the chat template's ``<start_of_image>``: blank lines, BOI, one ``<image_soft_token>``
-        per soft token, EOI, blank lines."""
-        return f"\n\n{BOI}{IMAGE_TOKEN * self.tokens_per_image}{EOI}\n\n"
+    def image_tokens(self, image=None) -> int:
+        """Soft tokens of an image: always ``tokens_per_image`` (a square tower)."""
+        return self.config.tokens_per_image
+
+    def image_text(self, n: int | None = None) -> str:
+        """The text that stands for one image (``n`` soft tokens, default ``tokens_per_image``) in a prompt,
+        as transformers' ``Gemma3Processor`` writes it in place of the chat template's ``<start_of_image>``:
+        blank lines, BOI, one ``<image_soft_token>`` per soft token, EOI, blank lines."""
+        return f"\n\n{BOI}{IMAGE_TOKEN * (n or self.tokens_per_image)}{EOI}\n\n"
+
+    def embed(self, images: list) -> list[torch.Tensor]:
+        """Prepared images (:class:`~gemmaspec.images.Image`) → float32 [tokens_per_image, text width] each."""
+        return list(self.encode(torch.stack([im.pixels for im in images])))
 
     @staticmethod
     def placeholders() -> tuple[str, str]:

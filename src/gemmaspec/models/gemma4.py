@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from .config import Gemma4Config
 from ..kernels import BlockWeight, CPUBlockWeight, StackedWeight
 from ..kv_cache import KVCache
-from .base import (ForwardOutput, add_rms_norm, attention, gelu_mul, gelu_mul_by, linear, norm_rope, rms_norm,
-                   rope_cos_sin, rope_span, step_threads)
+from .base import (ForwardOutput, add_rms_norm, attention, gelu_mul, gelu_mul_by, linear, norm_rope, open_images,
+                   rms_norm, rope_cos_sin, rope_span, step_threads)
 from .decode_step4 import run_layers4
 
 
@@ -280,16 +280,23 @@ class Gemma4Model:
         return out
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool = False) -> ForwardOutput:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool = False,
+                images: list | None = None) -> ForwardOutput:
         """Run ``tokens`` int64 [T] at positions cache.length.. (see :class:`CausalLM`).
+
+        ``images``: ``[(row, embeddings float32 [n, hidden])]``: rows ``row .. row + n - 1`` take those
+        embeddings instead of their tokens' (unscaled; their per-layer embeddings are the pad token's,
+        projected from the image rows, as transformers' ``Gemma4Model.forward``). With
+        ``bidirectional_vision`` an image's rows see each other on sliding layers (within the window);
+        full layers stay causal (``create_masks_for_vision_model``). Each image lies wholly in one forward.
 
         Returns:
             logits float32 [1 or T, vocab] (soft-capped), hidden float32 [T, hidden] after the final norm.
         """
         with step_threads(tokens.shape[0]):
-            return self._forward(tokens, cache, all_logits)
+            return self._forward(tokens, cache, all_logits, images or None)
 
-    def _forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool) -> ForwardOutput:
+    def _forward(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool, images=None) -> ForwardOutput:
         c, w, eps = self.config, self.weights, self.config.rms_norm_eps
         t = tokens.shape[0]
         start = cache.length
@@ -301,8 +308,15 @@ class Gemma4Model:
             rope = rope_tables(c, torch.arange(start, start + t, device=self.device))
         plans = {"sliding": cache.plan(start, t, c.sliding_window), "full": cache.plan(start, t, None)}
         x = _lookup(w["token_embd.weight"], tokens) * self.embed_scale
+        if images:
+            x, tokens = x.clone(), tokens.clone()
+            for row, emb in images:
+                x[row:row + emb.shape[0]] = emb.to(x.dtype)
+                tokens[row:row + emb.shape[0]] = c.pad_token_id
+            if c.bidirectional_vision:
+                plans["sliding"] = open_images(plans["sliding"], start, t, images, c.sliding_window, cache)
         ple = self._per_layer_inputs(tokens, x) if c.hidden_size_per_layer_input else None
-        fast = None if c.enable_moe_block else run_layers4(self, x, ple, cache, start, plans, rope)
+        fast = None if c.enable_moe_block or images else run_layers4(self, x, ple, cache, start, plans, rope)
         if fast is not None:
             x = fast
         else:

@@ -21,7 +21,7 @@ from .gemma3 import Gemma3Model, hf_to_gguf_value
 from .gemma3 import hf_to_gguf_name as gemma3_hf_name
 from .gemma4 import Gemma4Model, hf_to_gguf_name
 from .gemma4_assistant import Gemma4Assistant
-from . import gemma3_vision
+from . import gemma3_vision, gemma4_vision
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class Architecture:
             does not use (the ``sanitize`` step).
         hf_value: ``(GGUF name, float32 tensor) -> tensor``: a value fix a checkpoint's convention
             needs (Gemma 3 norms: ``1 + weight``); None: values are used as stored.
+        pairs: (vision towers) the ``general.architecture`` of the targets whose images it encodes.
     """
 
     name: str
@@ -48,6 +49,7 @@ class Architecture:
     hf_model_types: tuple[str, ...] = ()
     hf_name: Callable | None = None
     hf_value: Callable | None = None
+    pairs: tuple[str, ...] = ()
 
     def config_from_hf(self, cfg: dict):
         """The typed config from a ``config.json`` dict.
@@ -84,12 +86,17 @@ VISION_TOWERS: dict[str, Architecture] = {
         Architecture("gemma3", "vision", gemma3_vision.Gemma3VisionConfig, gemma3_vision.Gemma3Vision,
                      hf_model_types=("gemma3",),
                      hf_name=lambda name, config: gemma3_vision.hf_to_gguf_name(name, config.num_layers),
-                     hf_value=gemma3_vision.hf_to_gguf_value),
+                     hf_value=gemma3_vision.hf_to_gguf_value, pairs=("gemma3",)),
+        Architecture("gemma4v", "vision", gemma4_vision.Gemma4VisionConfig, gemma4_vision.Gemma4Vision,
+                     hf_model_types=("gemma4",),
+                     hf_name=lambda name, config: gemma4_vision.hf_to_gguf_name(name, config.num_layers),
+                     hf_value=gemma4_vision.hf_to_gguf_value, pairs=("gemma4",)),
     )
 }
 """Vision towers (``--mmproj``), keyed by llama.cpp's projector type (an mmproj GGUF's
-``clip.projector_type``); ``hf_model_types``: the multimodal ``config.json`` ``model_type`` they read.
-Gemma 4's vision tower is not implemented yet."""
+``clip.projector_type``, or ``clip.vision.projector_type`` in a file that also holds an audio
+encoder); ``hf_model_types``: the multimodal ``config.json`` ``model_type`` they read; ``pairs``: the
+target architectures they serve."""
 
 
 def vision_by_projector(projector: str, where: str = "") -> Architecture:
@@ -116,6 +123,11 @@ def vision_by_hf_model_type(model_type, where: str = "") -> Architecture:
     raise UnsupportedArchitectureError(
         f"{where}: model_type '{model_type}' has no supported vision tower; supported: "
         f"{', '.join(t for a in VISION_TOWERS.values() for t in a.hf_model_types)}")
+
+
+def vision_for(target_arch: str) -> list[str]:
+    """The vision towers (projector types) that serve a target architecture."""
+    return [a.name for a in VISION_TOWERS.values() if target_arch in a.pairs]
 
 
 def by_name(name: str, where: str = "") -> Architecture:

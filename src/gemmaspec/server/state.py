@@ -83,7 +83,7 @@ def load_model(cfg: ServeConfig) -> tuple[LoadedModel, Callable]:
         vision = load_vision(cfg.mmproj, device=getattr(engine.model, "device", "cpu"))
         check_pair(vision, engine.model.config)
         if "images" not in inspect.signature(engine.model.forward).parameters:
-            raise InputError(f"{path} does not take images (only Gemma 3 targets do so far); drop --mmproj")
+            raise InputError(f"{path} does not take images (Gemma 3 and Gemma 4 targets do); drop --mmproj")
         log.info("vision projector %s: %d tokens per image", vision.path, vision.model.tokens_per_image)
     if drafter_plan.spec_type != "none" and (cfg.choose_n or cfg.spec.n_max == "auto"):
         # the cost model's calibration: a forward over 1..R rows, R up to what a round of every slot
