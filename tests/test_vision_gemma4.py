@@ -253,3 +253,28 @@ def test_config_from_checkpoint_metadata(tiny):
     assert (c.patch_size, c.pooling_kernel, c.position_embedding_size, c.head_dim) == (
         v["patch_size"], v["pooling_kernel_size"], v["position_embedding_size"], v["head_dim"])
     assert c.rope_theta == v["rope_parameters"]["rope_theta"] and c.text_hidden_size == cfg["text_config"]["hidden_size"]
+
+
+def test_multimodal_data_with_images_of_different_sizes(vision_server, tiny):
+    """llama-server's ``multimodal_data`` on ``/completion`` with a Gemma 4 tower: each ``<__media__>``
+    becomes its own image's text (Gemma 4's soft-token count varies by image), so two images of
+    different sizes give the prompt :func:`~gemmaspec.multimodal.marked_prompt` builds in-process."""
+    import base64
+
+    import httpx
+
+    from gemmaspec.multimodal import marked_prompt
+
+    models, root = tiny
+    pngs = [_png(50, 83), _png(120, 40, seed=1)]
+    text = "<__media__> w5 <__media__> w6"
+    body = {"prompt": {"prompt_string": text, "multimodal_data": [base64.b64encode(p).decode() for p in pngs]},
+            "n_predict": 4, "temperature": 0}
+    r = httpx.post(vision_server.url + "/completion", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    vision = load_vision(root / "mm")
+    loaded = load_checkpoint(root / "mm")
+    images = [prepare(p, vision.config) for p in pngs]
+    assert len({vision.model.image_tokens(im) for im in images}) == 2  # the two sizes differ in soft tokens
+    ids, spans = marked_prompt(loaded.tokenizer, vision.model, text, images, "<__media__>")
+    assert r.json()["tokens_evaluated"] == len(ids) and len(spans) == 2

@@ -107,7 +107,9 @@ def marked_prompt(tokenizer, vision, text: str, images: list[Image], marker: str
     if text.count(marker) != len(images):
         raise InputError(f"the prompt has {text.count(marker)} {marker} markers for {len(images)} images: "
                          f"each image needs one marker where it goes, in order")
-    return _with_images(tokenizer, vision, tokenizer.encode(text.replace(marker, vision.image_text())), images)
+    parts = text.split(marker)  # each marker becomes its own image's text (Gemma 4's length varies by image)
+    filled = parts[0] + "".join(vision.image_text(vision.image_tokens(im)) + part for im, part in zip(images, parts[1:]))
+    return _with_images(tokenizer, vision, tokenizer.encode(filled), images)
 
 
 def chat_image_ids(tokenizer, vision, messages: list[dict], images: list[Image], encoded: dict | None = None,
