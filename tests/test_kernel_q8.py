@@ -211,6 +211,23 @@ def test_cli_flag_sets_the_mode(model_path, capsys):
     assert capsys.readouterr().out.strip()  # it generated text
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0x8", "Q8_0x8"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
+def test_two_groups_per_pass_give_the_same_bits(libs, fmt, m):
+    """The AVX-512 path runs two groups of 8 repacked rows per pass once x has 2+ rows (each activation
+    broadcast serves 16 weight rows): with 40 rows (two pairs and a single group) and 1-16 rows of x,
+    every path gives the portable reference's bits, and each row alone gives its bits in the batch."""
+    ref, built = libs
+    rng = np.random.default_rng(m)
+    w = weight(rng, fmt, 40, 32 * 7)
+    x = rng.standard_normal((m, 32 * 7)).astype(np.float32)
+    want = q8_product(ref, w, x, 2)
+    for isa, lib in built.items():
+        assert np.array_equal(bits(q8_product(lib, w, x, 2)), bits(want)), isa
+        for i in range(m):
+            assert np.array_equal(bits(q8_product(lib, w, x[i:i + 1].copy(), 1)), bits(want[i:i + 1])), (isa, i)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_repacked_8_rows_at_a_time(qtype):
     """Q4_0 and Q8_0 weights with a multiple of 8 rows are repacked for the int8-activation products

@@ -95,6 +95,71 @@ static void rebuilt_rows_tile(const int fmt, const int sf, void (*row_fn)(int, c
 #define X8_PF 4096 /* prefetch distance (bytes) along a group's stream */
 #endif
 
+#if defined(GS_AVX512) || defined(GS_AVX2)
+/* x8_group for G adjacent groups at once (G = 1 or 2, compile-time; group g at wg + g * gstride bytes):
+ * res[(g * M + m) * 8 + r]. Each activation word is broadcast once for the G groups' dot products; every
+ * output's operations (integer sums, then one fused multiply-add per block) are those of G = 1, so the
+ * bits are the same. G = 2 needs 16 level registers: AVX-512's 32 vector registers (AVX2 spills). */
+static inline __attribute__((always_inline)) void x8_groups_avx(const int fmt, const int G, const uint8_t *wg,
+                                                                long gstride, int K, const int8_t *aq,
+                                                                const float *da, const int32_t *as, const int M,
+                                                                float *res) {
+    const int nb = K / 32, q8 = fmt == FMT_Q8_0X8;
+    const long xb = x8_block(fmt);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    /* Q8_0: unsigned levels q + 128 where the dot product instruction takes unsigned bytes (VNNI),
+     * else signed ones through q8_dot's sign trick; Q4_0: the nibbles (q + 8) */
+    const int c8 = q8 ? q8_offset(FMT_Q8_0) : 8;
+    __m256 acc[2][Q8_ROWS];
+    for (int g = 0; g < G; g++)
+        for (int m = 0; m < M; m++) acc[g][m] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256 sc[2];
+        __m256i lv[2][8];
+        for (int g = 0; g < G; g++) {
+            const uint8_t *blk = wg + g * gstride + (long)b * xb;
+            for (int l = 0; l < (int)xb; l += 64) __builtin_prefetch(blk + X8_PF + l);
+            sc[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            if (q8) {
+                for (int c = 0; c < 8; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                    lv[g][c] = c8 ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v;
+                }
+            } else {
+                for (int c = 0; c < 4; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                    lv[g][c] = _mm256_and_si256(v, m4);
+                    lv[g][4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                }
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            const int8_t *a = aq + (long)m * K + 32 * b;
+            int32_t aw[8];
+            memcpy(aw, a, 32);
+            __m256i p[2], p2[2];
+            for (int g = 0; g < G; g++) {
+                p[g] = _mm256_set1_epi32(-c8 * as[(long)m * nb + b]);
+                p2[g] = _mm256_setzero_si256();
+            }
+            for (int c = 0; c < 8; c += 2) {
+                const __m256i w0 = _mm256_set1_epi32(aw[c]), w1 = _mm256_set1_epi32(aw[c + 1]);
+                for (int g = 0; g < G; g++) {
+                    p[g] = q8 ? q8_dot(FMT_Q8_0, p[g], lv[g][c], w0) : q8_dot_u(p[g], lv[g][c], w0);
+                    p2[g] = q8 ? q8_dot(FMT_Q8_0, p2[g], lv[g][c + 1], w1) : q8_dot_u(p2[g], lv[g][c + 1], w1);
+                }
+            }
+            const __m256 dm = _mm256_set1_ps(da[(long)m * nb + b]);
+            for (int g = 0; g < G; g++)
+                acc[g][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p[g], p2[g])),
+                                            _mm256_mul_ps(sc[g], dm), acc[g][m]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int m = 0; m < M; m++) _mm256_storeu_ps(res + 8 * (g * M + m), acc[g][m]);
+}
+#endif
+
 /* res[m * 8 + r] for the 8 rows of group wg (format fmt, a compile-time constant) and M <= Q8_ROWS rows
  * of int8 activations; as: their block sums sum_j aq_j [M, nb] (x8_tile computes them once per tile),
  * which the unsigned-level dot products correct by. */
@@ -104,46 +169,7 @@ static inline __attribute__((always_inline)) void x8_group(const int fmt, const 
     const int nb = K / 32, q8 = fmt == FMT_Q8_0X8;
     const long xb = x8_block(fmt);
 #if defined(GS_AVX512) || defined(GS_AVX2)
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    /* Q8_0: unsigned levels q + 128 where the dot product instruction takes unsigned bytes (VNNI),
-     * else signed ones through q8_dot's sign trick; Q4_0: the nibbles (q + 8) */
-    const int c8 = q8 ? q8_offset(FMT_Q8_0) : 8;
-    __m256 acc[Q8_ROWS];
-    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = wg + (long)b * xb;
-        for (int l = 0; l < (int)xb; l += 64) __builtin_prefetch(blk + X8_PF + l);
-        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        __m256i lv[8];
-        if (q8) {
-            for (int c = 0; c < 8; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-                lv[c] = c8 ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v;
-            }
-        } else {
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-                lv[c] = _mm256_and_si256(v, m4);
-                lv[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            }
-        }
-        for (int m = 0; m < M; m++) {
-            const int8_t *a = aq + (long)m * K + 32 * b;
-            int32_t aw[8];
-            memcpy(aw, a, 32);
-            __m256i p = _mm256_set1_epi32(-c8 * as[(long)m * nb + b]), p2 = _mm256_setzero_si256();
-            for (int c = 0; c < 8; c += 2) {
-                p = q8 ? q8_dot(FMT_Q8_0, p, lv[c], _mm256_set1_epi32(aw[c]))
-                       : q8_dot_u(p, lv[c], _mm256_set1_epi32(aw[c]));
-                p2 = q8 ? q8_dot(FMT_Q8_0, p2, lv[c + 1], _mm256_set1_epi32(aw[c + 1]))
-                        : q8_dot_u(p2, lv[c + 1], _mm256_set1_epi32(aw[c + 1]));
-            }
-            p = _mm256_add_epi32(p, p2);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sc, _mm256_set1_ps(da[(long)m * nb + b])),
-                                     acc[m]);
-        }
-    }
-    for (int m = 0; m < M; m++) _mm256_storeu_ps(res + 8 * m, acc[m]);
+    x8_groups_avx(fmt, 1, wg, 0, K, aq, da, as, M, res);
 #elif defined(GS_NEON)
     const uint8x16_t m4 = vdupq_n_u8(0x0F);
     const int8x16_t eight = vdupq_n_s8(8);
@@ -236,7 +262,24 @@ static inline __attribute__((always_inline)) void x8_tile(const int fmt, const g
                 for (int j = 0; j < 32; j++) t += a[(long)m * K + 32 * b + j];
                 as[m * nb + b] = t;
             }
-        for (int n = n0; n < n1; n += 8) {
+        int n = n0;
+#if defined(GS_AVX512)
+        for (; mm >= 2 && n + 16 <= n1; n += 16) { /* two groups per pass: each activation broadcast serves 16 rows */
+            const long gs = (long)nb * x8_block(fmt);
+            const uint8_t *wg = (const uint8_t *)sg->w + (long)(n >> 3) * gs;
+            float res[2 * Q8_ROWS * 8];
+            switch (mm) {
+                case 2: x8_groups_avx(fmt, 2, wg, gs, K, a, d, as, 2, res); break;
+                case 3: x8_groups_avx(fmt, 2, wg, gs, K, a, d, as, 3, res); break;
+                default: x8_groups_avx(fmt, 2, wg, gs, K, a, d, as, 4, res); break;
+            }
+            for (int g = 0; g < 2; g++)
+                for (int m = 0; m < mm; m++)
+                    for (int r = 0; r < 8; r++)
+                        y[(long)(m0 + m) * ldy + sg->col + n + 8 * g + r] = res[8 * (g * mm + m) + r];
+        }
+#endif
+        for (; n < n1; n += 8) {
             const uint8_t *wg = (const uint8_t *)sg->w + (long)(n >> 3) * nb * x8_block(fmt);
             float res[Q8_ROWS * 8];
             switch (mm) {
