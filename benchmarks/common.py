@@ -110,38 +110,65 @@ def llama_python(build: bool = True) -> Path | None:
     return py
 
 
-def llama_binaries(build: bool = True) -> Path | None:
-    """Folder holding llama.cpp's own ``llama-bench`` and ``llama-server``, built once with CMake from the
-    llama.cpp sources vendored in llama-cpp-python's sdist (the same version as the Python peer), for
-    this CPU (``GGML_NATIVE``; AMX off: its AMX path segfaults under KVM). With ``build=False``, None
-    when they are not built yet. A build takes ~10 minutes on 2 cores."""
-    out = cache_home() / "bench" / f"llama-bin-{LLAMA_CPP_VERSION}"
-    if (out / "llama-bench").exists() and (out / "llama-server").exists():
+LLAMA_TARGETS = ("llama-bench", "llama-server")
+"""What :func:`llama_binaries` builds unless asked for more (``llama-mtmd-cli``: :func:`llama_mtmd_cli`)."""
+
+
+def llama_source() -> Path:
+    """llama.cpp's sources as vendored in llama-cpp-python's sdist (the same version as the Python
+    peer), downloaded once with pip and kept, extracted, in ``$GEMMASPEC_HOME/bench/llama-src-VERSION``."""
+    import tarfile
+
+    d = bench_dir() / f"llama-src-{LLAMA_CPP_VERSION}"
+    src = next(d.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
+    if src is not None and (src / "CMakeLists.txt").exists():
+        return src
+    d.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                    f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(d)], check=True)
+    sdist = next(d.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(sdist) as tf:
+        tf.extractall(d, filter="data")
+    sdist.unlink()
+    return next(d.glob("llama_cpp_python-*/vendor/llama.cpp"))
+
+
+def llama_binaries(build: bool = True, targets: tuple[str, ...] = LLAMA_TARGETS) -> Path | None:
+    """Folder holding llama.cpp's own programs (``targets``: ``llama-bench`` and ``llama-server`` unless
+    asked otherwise, e.g. ``llama-mtmd-cli``), built with CMake from :func:`llama_source`, for this CPU
+    (``GGML_NATIVE``; AMX off: its AMX path segfaults under KVM), static, into
+    ``$GEMMASPEC_HOME/bench/llama-bin-VERSION``. The CMake build folder (``llama-build-VERSION``) and
+    the sources are kept, so a program asked for later compiles only what it adds. With
+    ``build=False``, None when one of ``targets`` is not built yet. The first build takes ~10 minutes
+    on 2 cores (``GEMMASPEC_BUILD_JOBS`` caps the parallel jobs; default: all cores)."""
+    out = cache_home() / "bench" / f"llama-bin-{LLAMA_CPP_VERSION}"  # nothing created unless building
+    missing = [t for t in targets if not (out / t).exists()]
+    if not missing:
         return out
     if not build:
         return None
-    import tarfile
-    import tempfile
-
-    work = Path(tempfile.mkdtemp(prefix="llama-src-", dir=bench_dir()))
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                    f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(work)], check=True)
-    sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
-    with tarfile.open(sdist) as tf:
-        tf.extractall(work, filter="data")
-    src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    build_dir = work / "build"
-    print(f"building llama-bench and llama-server {LLAMA_CPP_VERSION} (about 10 minutes, once)...", file=sys.stderr)
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"], check=True)
-    subprocess.run(["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2), "--target", "llama-bench",
-                    "llama-server"], check=True)
+    src = llama_source()
+    build_dir = bench_dir() / f"llama-build-{LLAMA_CPP_VERSION}"
+    print(f"building {', '.join(missing)} {LLAMA_CPP_VERSION} (about 10 minutes the first time)...", file=sys.stderr)
+    if not (build_dir / "CMakeCache.txt").exists():
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                        "-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                        "-DBUILD_SHARED_LIBS=OFF"], check=True)
+    jobs = os.environ.get("GEMMASPEC_BUILD_JOBS") or str(os.cpu_count() or 2)
+    subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs, "--target", *missing], check=True)
     out.mkdir(parents=True, exist_ok=True)
-    for f in (build_dir / "bin").iterdir():
-        shutil.copy2(f, out / f.name)
-    shutil.rmtree(work, ignore_errors=True)
+    for t in missing:
+        shutil.copy2(build_dir / "bin" / t, out / t)
     return out
+
+
+def llama_mtmd_cli(build: bool = True) -> Path | None:
+    """llama.cpp's multimodal command line (``llama-mtmd-cli``, ``tools/mtmd``) of the same build as
+    :func:`llama_binaries` (built on first use, a few minutes when the build folder is there); with
+    ``build=False``, None when it is not built yet."""
+    out = llama_binaries(build, targets=("llama-mtmd-cli",))
+    return None if out is None else out / "llama-mtmd-cli"
 
 
 def user_env() -> dict[str, str]:

@@ -278,3 +278,28 @@ def test_multimodal_data_with_images_of_different_sizes(vision_server, tiny):
     assert len({vision.model.image_tokens(im) for im in images}) == 2  # the two sizes differ in soft tokens
     ids, spans = marked_prompt(loaded.tokenizer, vision.model, text, images, "<__media__>")
     assert r.json()["tokens_evaluated"] == len(ids) and len(spans) == 2
+
+
+def test_converted_target_keeps_the_image_mask(tiny, tmp_path):
+    """A GGUF target attends to images as its checkpoint says: llama.cpp's rule when the file says
+    nothing (bidirectional on sliding layers except at E2B/E4B widths, as llama-mtmd-cli decodes
+    them), our own key only where the checkpoint disagrees with that rule."""
+    import gguf
+
+    from gemmaspec.loading.convert import convert
+    from gemmaspec.loading.gguf import read_config
+    from gemmaspec.models.config import llama_cpp_bidirectional_vision
+
+    _, root = tiny
+    assert llama_cpp_bidirectional_vision(64) and not llama_cpp_bidirectional_vision(1536)
+    assert not llama_cpp_bidirectional_vision(2560)
+    for name, bidirectional in (("mm", True), ("causal", False)):
+        out = tmp_path / f"{name}.gguf"
+        convert(root / name, out, "f32")
+        keys = gguf.GGUFReader(out).fields
+        assert ("gemma4.attention.bidirectional_vision" in keys) is (not bidirectional)
+        assert read_config(out)[1].bidirectional_vision is bidirectional
+    # the tiny tower has 2 heads over 1 KV head: llama.cpp would take 2 without its key
+    fields = gguf.GGUFReader(write_mmproj(root / "mm", tmp_path / "mmproj.gguf")).fields
+    assert fields["clip.vision.attention.head_count_kv"].contents() == 1
+    assert "clip.vision.attention.head_dim" not in fields  # 32 wide / 2 heads = 16, the default

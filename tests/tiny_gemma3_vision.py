@@ -16,15 +16,18 @@ TOKENS_PER_IMAGE = 4  # 8 x 8 patches pooled by 4
 MEAN, STD = [0.48, 0.45, 0.41], [0.27, 0.26, 0.28]
 
 
-def tiny_multimodal(path, seed=7):
+def tiny_multimodal(path, seed=7, vocab=VOCAB, image_ids=(BOI, EOI, IMG), tok=None):
     """Save a random Gemma3ForConditionalGeneration at ``path`` (config, safetensors, tokenizer.json,
-    preprocessor_config.json); returns the transformers model (float32, eval)."""
+    preprocessor_config.json); returns the transformers model (float32, eval). ``vocab``,
+    ``image_ids`` (BOI, EOI, image token) and ``tok`` (a ``tokenizers.Tokenizer``) replace the
+    word-level vocabulary, e.g. by Gemma's real one (benchmarks/mmproj_check.py)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
     torch.manual_seed(seed)
-    cfg = Gemma3Config(text_config=Gemma3TextConfig(**TEXT), vision_config=SiglipVisionConfig(**VISION),
-                       mm_tokens_per_image=TOKENS_PER_IMAGE, boi_token_index=BOI, eoi_token_index=EOI,
-                       image_token_index=IMG)
+    boi, eoi, img = image_ids
+    cfg = Gemma3Config(text_config=Gemma3TextConfig(**(TEXT | {"vocab_size": vocab})),
+                       vision_config=SiglipVisionConfig(**VISION), mm_tokens_per_image=TOKENS_PER_IMAGE,
+                       boi_token_index=boi, eoi_token_index=eoi, image_token_index=img)
     ref = Gemma3ForConditionalGeneration(cfg).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -34,7 +37,7 @@ def tiny_multimodal(path, seed=7):
     ref.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(
         {"image_mean": MEAN, "image_std": STD, "size": {"height": 56, "width": 56}, "image_seq_length": TOKENS_PER_IMAGE}))
-    tokenizer().save(str(path / "tokenizer.json"))
+    (tok or tokenizer()).save(str(path / "tokenizer.json"))
     return ref
 
 

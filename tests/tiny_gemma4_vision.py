@@ -15,16 +15,21 @@ VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_att
 MAX_SOFT_TOKENS = 70  # transformers' smallest budget: 630 patches of 4 x 4 pixels
 
 
-def tiny_multimodal(path, seed=11, bidirectional=True):
+def tiny_multimodal(path, seed=11, bidirectional=True, text=None, image_ids=(BOI, EOI, IMG), tok=None,
+                    max_soft_tokens=MAX_SOFT_TOKENS):
     """Save a random Gemma4ForConditionalGeneration at ``path`` (config, safetensors, tokenizer.json,
     preprocessor_config.json); returns the transformers model (float32, eval). ``bidirectional``:
-    ``use_bidirectional_attention="vision"`` (images attend both ways on sliding layers)."""
+    ``use_bidirectional_attention="vision"`` (images attend both ways on sliding layers). ``text``
+    (overrides of the text config, e.g. a real vocabulary's size), ``image_ids`` (BOI, EOI, image
+    token), ``tok`` (a ``tokenizers.Tokenizer``) and ``max_soft_tokens`` (the processor's budget)
+    replace the defaults (benchmarks/mmproj_check.py: Gemma's real vocabulary, llama.cpp's layers)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
 
     torch.manual_seed(seed)
-    text = Gemma4TextConfig(**TARGET, use_bidirectional_attention="vision" if bidirectional else None)
+    boi, eoi, img = image_ids
+    text = Gemma4TextConfig(**(TARGET | (text or {})), use_bidirectional_attention="vision" if bidirectional else None)
     cfg = Gemma4Config(text_config=text, vision_config=Gemma4VisionConfig(**VISION), audio_config=None,
-                       boi_token_id=BOI, eoi_token_id=EOI, image_token_id=IMG, video_token_id=299,
+                       boi_token_id=boi, eoi_token_id=eoi, image_token_id=img, video_token_id=299,
                        boa_token_id=295, audio_token_id=294, eoa_token_index=293)
     ref = randomize(Gemma4ForConditionalGeneration(cfg).eval(), seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -43,8 +48,8 @@ def tiny_multimodal(path, seed=11, bidirectional=True):
     ref.save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(
         {"image_processor_type": "Gemma4ImageProcessor", "patch_size": 4, "pooling_kernel_size": 3,
-         "max_soft_tokens": MAX_SOFT_TOKENS, "image_mean": [0.0] * 3, "image_std": [1.0] * 3}))
-    tokenizer().save(str(path / "tokenizer.json"))
+         "max_soft_tokens": max_soft_tokens, "image_mean": [0.0] * 3, "image_std": [1.0] * 3}))
+    (tok or tokenizer()).save(str(path / "tokenizer.json"))
     return ref
 
 

@@ -17,8 +17,9 @@ def add_parsers(sub) -> None:
                     help="type of the 2-D weights (norms and scales stay f32; default bf16)")
     cv.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     cv.add_argument("--mmproj", action="store_true",
-                    help="write the checkpoint's vision tower as an mmproj GGUF instead (Gemma 3; llama.cpp's "
-                         "convert_hf_to_gguf.py --mmproj): F16 matrices, or F32 with --outtype f32")
+                    help="write the checkpoint's vision tower as an mmproj GGUF instead (Gemma 3, Gemma 4; "
+                         "llama.cpp's convert_hf_to_gguf.py --mmproj, loads in llama-mtmd-cli): F16 matrices, or "
+                         "F32 with --outtype f32")
 
     q = sub.add_parser("quantize", help="pack a QAT checkpoint as exact Q4_0 GGUF (no re-rounding), with a report",
                        allow_abbrev=False)

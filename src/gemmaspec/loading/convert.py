@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from ..models.config import Gemma4Config
+from ..models.config import BIDIRECTIONAL_VISION_KEY, Gemma4Config, llama_cpp_bidirectional_vision
 from ..errors import InputError, ModelFileError, UnsupportedArchitectureError
 
 ARCH_TARGET, ARCH_ASSISTANT = "gemma4", "gemma4-assistant"
@@ -189,6 +189,8 @@ def hf_source(hf_dir: str | os.PathLike):
         w.add_name(cfg.get("_name_or_path") or hf_dir.name)
         w.add_file_type(file_type)
         _add_text_params(w, c, n_ff)
+        if arch == ARCH_TARGET and c.bidirectional_vision != llama_cpp_bidirectional_vision(c.hidden_size):
+            w.add_bool(f"{arch}.{BIDIRECTIONAL_VISION_KEY}", c.bidirectional_vision)
         if arch == ARCH_ASSISTANT:
             w.add_embedding_length_out(config.backbone_hidden_size)
             w.add_nextn_predict_layers(c.num_layers)

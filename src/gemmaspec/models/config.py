@@ -127,6 +127,20 @@ class Gemma3Config:
         )
 
 
+BIDIRECTIONAL_VISION_KEY = "attention.bidirectional_vision"
+"""A key of our own (``gemma4.attention.bidirectional_vision``, bool) that ``gemmaspec convert``
+writes only when a checkpoint's ``use_bidirectional_attention`` disagrees with
+:func:`llama_cpp_bidirectional_vision`; llama.cpp's converter stores no such setting."""
+
+
+def llama_cpp_bidirectional_vision(hidden_size: int) -> bool:
+    """Whether a Gemma 4 GGUF's image tokens attend to each other (on sliding layers) when the file
+    does not say: llama.cpp's rule (``mtmd_decode_use_non_causal``): yes, except for E2B and E4B
+    (widths 1536 and 2560), which the released checkpoints mark causal (``use_bidirectional_attention``
+    unset there, ``"vision"`` on the larger models)."""
+    return hidden_size not in (1536, 2560)
+
+
 @dataclass(frozen=True)
 class Gemma4Config:
     """Gemma 4 text model hyper-parameters (transformers ``Gemma4TextConfig``; GGUF arch ``gemma4``).
@@ -267,6 +281,8 @@ class Gemma4Config:
             bos_token_id=int(meta.get("tokenizer.ggml.bos_token_id", 2)),
             eos_token_id=int(meta.get("tokenizer.ggml.eos_token_id", 1)),
             pad_token_id=int(meta.get("tokenizer.ggml.padding_token_id", 0) or 0),
+            bidirectional_vision=meta.arch == "gemma4" and bool(meta.arch_get(
+                BIDIRECTIONAL_VISION_KEY, llama_cpp_bidirectional_vision(int(meta.require("embedding_length"))))),
             architecture=meta.arch,
         )
 

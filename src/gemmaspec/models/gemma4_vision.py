@@ -41,10 +41,15 @@ BOI, EOI, IMAGE_TOKEN = "<|image>", "<image|>", "<|image|>"
 """Gemma 4's image tokens: transformers' ``Gemma4Processor`` replaces each ``<|image|>`` marker the chat
 template writes with ``BOI + IMAGE_TOKEN * soft tokens + EOI``."""
 
+HEAD_COUNT_KV_KEY = "clip.vision.attention.head_count_kv"
+HEAD_DIM_KEY = "clip.vision.attention.head_dim"
+"""llama.cpp's keys for a tower whose KV heads or head size are not the default (n_head, hidden / n_head);
+written only then."""
 ROPE_THETA_KEY = "clip.vision.rope.freq_base"
 MAX_TOKENS_KEY = "clip.vision.max_soft_tokens"
-"""Keys gemmaspec writes only when a checkpoint differs from what llama.cpp assumes for ``gemma4v``
-(RoPE base 100, at most 280 soft tokens per image): llama.cpp's layout has no key for either."""
+"""Keys of our own, written only when a checkpoint differs from the released ones (RoPE base 100, a
+280-soft-token budget): llama.cpp's layout has no key for either (it fixes the base at 100 and sizes
+images by its own rule, 70 to 1120 tokens unless ``--image-max-tokens``; docs/usage.md)."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ class Gemma4VisionConfig:
     position_embedding_size: int = 10240  # from position_embd's shape
     rms_norm_eps: float = 1e-6  # attention.layer_norm_epsilon
     rope_theta: float = 100.0  # llama.cpp: fixed at 100
-    max_soft_tokens: int = 280  # llama.cpp: at most 280
+    max_soft_tokens: int = 280  # transformers' default budget (llama.cpp: no key)
     image_mean: tuple[float, float, float] = (0.0, 0.0, 0.0)  # image_mean (the model scales by itself)
     image_std: tuple[float, float, float] = (1.0, 1.0, 1.0)  # image_std
     architecture: str = "gemma4v"
@@ -166,6 +171,12 @@ class Gemma4VisionConfig:
             out[ROPE_THETA_KEY] = ("float32", self.rope_theta)
         if self.max_soft_tokens != 280:
             out[MAX_TOKENS_KEY] = ("uint32", self.max_soft_tokens)
+        # llama.cpp reads these (clip.cpp, any tower) and otherwise takes n_head KV heads of
+        # hidden / n_head: its converter leaves them out because the released towers fit that
+        if self.num_kv_heads != self.num_heads:
+            out[HEAD_COUNT_KV_KEY] = ("uint32", self.num_kv_heads)
+        if self.head_dim * self.num_heads != self.hidden_size:
+            out[HEAD_DIM_KEY] = ("uint32", self.head_dim)
         return out
 
 
