@@ -211,14 +211,14 @@ def child(tower: str, ftype: str, args) -> dict:
     others = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0 - own) / wall)
     patches = im.pixels.shape[0] if im.positions is not None else c.patches_per_side ** 2
     flops = encode_flops(projector, c, patches, out.shape[0])
-    enc = median([r[0] for r in runs])
+    enc, pre = median([r[0] for r in runs]), median([r[1] for r in runs])
     rec = {"tower": tower, "file_type": ftype, "threads": torch.get_num_threads(), "file_bytes": path.stat().st_size,
            "weight_bytes_in_memory": weight_bytes, "weight_dtypes": sorted({str(getattr(w, "dtype", type(w).__name__))
                                                                             for w in ws.values()}),
            "load_s": load_s, "rss_before_load_mb": rss0 / 2**20, "rss_after_load_mb": rss_loaded / 2**20,
            "first_encode_s": first_s, "encode_s": enc, "encode_runs_s": [r[0] for r in runs],
-           "preprocess_s": median([r[1] for r in runs]), "patches": patches, "soft_tokens": out.shape[0],
-           "text_width": out.shape[1], "gflop": flops / 1e9, "gflops_per_s": flops / 1e9 / (enc - median([r[1] for r in runs])),
+           "preprocess_s": pre, "patches": patches, "soft_tokens": out.shape[0], "text_width": out.shape[1],
+           "gflop": flops / 1e9, "gflops_per_s": flops / 1e9 / (enc - pre),
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "other_busy_cores": others, "finite": bool(torch.isfinite(out).all())}
     torch.save(out, folder / f"last-{tower}-L{c.num_layers}-{ftype}.pt")
@@ -246,14 +246,17 @@ def table(recs: list[dict], m: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in recs:
         lines.append(f"| {r['tower']} | {r['file_type']} | {r['soft_tokens']} | {_fmt(r['encode_s'], 2)} | "
-                     f"{_fmt(r['preprocess_s'], 3)} | {_fmt(r['first_encode_s'], 2)} | {_fmt(r['gflops_per_s'], 0)} | "
+                     f"{_fmt(r['preprocess_s'], 3)} | {_fmt(r['first_encode_s'], 2)} | "
+                     f"{_fmt(r['gflops_per_s'], 0)} | "
                      f"{_fmt(r['load_s'], 2)} | {_fmt(r['weight_bytes_in_memory'] / 2**20, 0)} | "
-                     f"{_fmt(r['file_bytes'] / 2**20, 0)} | {_fmt(r['peak_rss_mb'], 0)} | {_fmt(r['other_busy_cores'], 2)} |")
+                     f"{_fmt(r['file_bytes'] / 2**20, 0)} | {_fmt(r['peak_rss_mb'], 0)} | "
+                     f"{_fmt(r['other_busy_cores'], 2)} |")
     for r in recs:
         if "profile" in r:
             p = r["profile"]
             split = ", ".join(f"{k} {v:.2f} s" for k, v in p["by_kind_s"].items())
-            lines += ["", f"Profile of one {r['tower']} {r['file_type']} encode ({p['total_s']:.2f} s self time): {split}"]
+            lines += ["", f"Profile of one {r['tower']} {r['file_type']} encode ({p['total_s']:.2f} s self time): "
+                          f"{split}"]
     return "\n".join(lines)
 
 
