@@ -133,27 +133,10 @@ def write_mmproj(checkpoint: str | os.PathLike, out: str | os.PathLike, force: b
     if not out.parent.is_dir():
         raise InputError(f"the folder {out.parent} does not exist; create it or write OUT elsewhere")
     arch, c, stored = _hf_vision(src)
-    k = gguf.Keys.ClipVision
     tmp = out.with_name(f".{out.name}.partial")
     w = gguf.GGUFWriter(tmp, "clip")
     try:
-        w.add_type(gguf.GGUFType.MODEL)
-        w.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
-        extra = c.gguf_extra()
-        if k.PROJECTOR_TYPE not in extra:  # gemma4v: the per-modality key, as llama.cpp's converter writes it
-            w.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, arch.name)
-        # a variable-resolution tower has no image size: llama.cpp's converter writes 224 (unused)
-        for key, v in ((k.IMAGE_SIZE, getattr(c, "image_size", 224)), (k.PATCH_SIZE, c.patch_size),
-                       (k.EMBEDDING_LENGTH, c.hidden_size),
-                       (k.FEED_FORWARD_LENGTH, c.intermediate_size), (k.PROJECTION_DIM, c.text_hidden_size),
-                       (k.BLOCK_COUNT, c.num_layers), (k.Attention.HEAD_COUNT, c.num_heads)):
-            w.add_uint32(key, int(v))
-        w.add_array(k.IMAGE_MEAN, [float(x) for x in c.image_mean])
-        w.add_array(k.IMAGE_STD, [float(x) for x in c.image_std])
-        w.add_float32(k.Attention.LAYERNORM_EPS, float(getattr(c, "layer_norm_eps", getattr(c, "rms_norm_eps", 1e-6))))
-        w.add_bool(k.USE_GELU, True)
-        for key, (kind, v) in extra.items():
-            getattr(w, f"add_{kind}")(key, v)
+        add_mmproj_metadata(w, arch.name, c)
         for name in sorted(stored):
             v = stored[name].load()
             v = arch.hf_value(name, v) if arch.hf_value else v
@@ -170,4 +153,29 @@ def write_mmproj(checkpoint: str | os.PathLike, out: str | os.PathLike, force: b
     return out
 
 
-__all__ = ["LoadedVision", "check_pair", "load_vision", "write_mmproj", "hf_checkpoint"]
+def add_mmproj_metadata(w: gguf.GGUFWriter, projector: str, c) -> None:
+    """The ``clip`` metadata of an mmproj GGUF as llama.cpp's converter writes it, for tower config
+    ``c`` (:class:`~gemmaspec.models.gemma3_vision.Gemma3VisionConfig` or its Gemma 4 peer) of
+    projector type ``projector`` (``gemma3``, ``gemma4v``): what :func:`write_mmproj` and the
+    synthetic towers of ``benchmarks/vision_encode.py`` write."""
+    k = gguf.Keys.ClipVision
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
+    extra = c.gguf_extra()
+    if k.PROJECTOR_TYPE not in extra:  # gemma4v: the per-modality key, as llama.cpp's converter writes it
+        w.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, projector)
+    # a variable-resolution tower has no image size: llama.cpp's converter writes 224 (unused)
+    for key, v in ((k.IMAGE_SIZE, getattr(c, "image_size", 224)), (k.PATCH_SIZE, c.patch_size),
+                   (k.EMBEDDING_LENGTH, c.hidden_size),
+                   (k.FEED_FORWARD_LENGTH, c.intermediate_size), (k.PROJECTION_DIM, c.text_hidden_size),
+                   (k.BLOCK_COUNT, c.num_layers), (k.Attention.HEAD_COUNT, c.num_heads)):
+        w.add_uint32(key, int(v))
+    w.add_array(k.IMAGE_MEAN, [float(x) for x in c.image_mean])
+    w.add_array(k.IMAGE_STD, [float(x) for x in c.image_std])
+    w.add_float32(k.Attention.LAYERNORM_EPS, float(getattr(c, "layer_norm_eps", getattr(c, "rms_norm_eps", 1e-6))))
+    w.add_bool(k.USE_GELU, True)
+    for key, (kind, v) in extra.items():
+        getattr(w, f"add_{kind}")(key, v)
+
+
+__all__ = ["LoadedVision", "add_mmproj_metadata", "check_pair", "load_vision", "write_mmproj", "hf_checkpoint"]

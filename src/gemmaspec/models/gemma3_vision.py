@@ -267,8 +267,10 @@ class Gemma3Vision:
         heads = c.num_heads
 
         def lin(name, v):
-            out = linear(w[p + name + ".weight"], v.reshape(n * t, v.shape[-1])) + w[p + name + ".bias"]
-            return out.view(n, t, -1)
+            weight, bias, v2 = w[p + name + ".weight"], w[p + name + ".bias"], v.reshape(n * t, v.shape[-1])
+            if isinstance(weight, torch.Tensor):  # dense: the bias added inside the product (one addmm)
+                return F.linear(v2, weight, bias).view(n, t, -1)
+            return (linear(weight, v2) + bias).view(n, t, -1)
 
         h = F.layer_norm(x, (d,), w[p + "ln1.weight"], w[p + "ln1.bias"], c.layer_norm_eps)
         q, k, v = (lin(nm, h).view(n, t, heads, d // heads).transpose(1, 2) for nm in ("attn_q", "attn_k", "attn_v"))
