@@ -273,6 +273,8 @@ def matmul_library(isa: str = "auto"):
     lib.gs_repack_r8.restype = I
     lib.gs_isa.argtypes = []
     lib.gs_isa.restype = ctypes.c_char_p
+    lib.gs_pool_check.argtypes = [ctypes.c_long, I]
+    lib.gs_pool_check.restype = ctypes.c_long
     return lib
 
 

@@ -60,18 +60,26 @@ static inline long gs_now_ns(void) {
     return ts.tv_sec * 1000000000L + ts.tv_nsec;
 }
 
-/* Claim and run tasks of generation gen until none is left; returns when the counter is exhausted or
- * the generation moved on. The job fields are read after seeing gen and used only if the claim (a
- * compare-and-swap on the same state word) succeeds: the caller rewrites them only after every task
- * of gen was claimed and finished, so a successful claim proves they were gen's. */
+/* The task index of a state word whose job is being written (no task may be claimed). */
+#define GS_POOL_CLOSED 0xFFFFFFFFu
+
+/* Claim and run tasks of generation gen until none is left; returns when the counter is exhausted,
+ * the job is closed, or the generation moved on. The job fields are read after seeing gen and used
+ * only if the claim (a compare-and-swap on the same state word) succeeds. The caller first moves the
+ * state to a new, closed generation (GS_POOL_CLOSED) and only then rewrites the fields, so a claim that
+ * succeeds on gen's state word proves the fields it read were gen's. (Before the closed generation,
+ * a worker that read an exhausted gen's state word, then the next job's fields while the caller was
+ * writing them, could claim a task of the next job under the old word: that task ran twice and its
+ * extra count let the caller return while a task was still running.) */
 static inline void gs_pool_work(uint32_t gen) {
     uint64_t s = atomic_load_explicit(&gs_pool.state, memory_order_acquire);
     for (;;) {
         if ((uint32_t)(s >> 32) != gen) return;
+        const uint32_t idx = (uint32_t)s;
+        if (idx == GS_POOL_CLOSED) return;
         const gs_task_fn fn = gs_pool.fn;
         void *const ctx = gs_pool.ctx;
         const int ntasks = gs_pool.ntasks;
-        const uint32_t idx = (uint32_t)s;
         if ((int)idx >= ntasks) return;
         if (atomic_compare_exchange_weak_explicit(&gs_pool.state, &s, s + 1, memory_order_acq_rel,
                                                   memory_order_acquire)) {
@@ -146,13 +154,17 @@ static void gs_parallel(int ntasks, int nthreads, gs_task_fn fn, void *ctx) {
         pthread_attr_destroy(&at);
         gs_pool.started++;
     }
+    /* close: from here no claim on the previous job's state word can succeed, so the fields may change */
+    const uint32_t closed = (uint32_t)(atomic_load(&gs_pool.state) >> 32) + 1;
+    atomic_store(&gs_pool.state, ((uint64_t)closed << 32) | GS_POOL_CLOSED);
+    atomic_thread_fence(memory_order_seq_cst); /* the field writes below stay after the close */
     gs_pool.fn = fn;
     gs_pool.ctx = ctx;
     gs_pool.ntasks = ntasks;
     gs_pool.nworkers = nthreads - 1;
     atomic_store_explicit(&gs_pool.done, 0, memory_order_relaxed);
-    const uint32_t gen = (uint32_t)(atomic_load(&gs_pool.state) >> 32) + 1;
-    atomic_store(&gs_pool.state, (uint64_t)gen << 32); /* seq_cst: ordered before the load of sleeping */
+    const uint32_t gen = closed + 1;
+    atomic_store(&gs_pool.state, (uint64_t)gen << 32); /* open; seq_cst: ordered before the load of sleeping */
     if (atomic_load(&gs_pool.sleeping) > 0) {
         pthread_mutex_lock(&gs_pool.mu);
         pthread_cond_broadcast(&gs_pool.cv);

@@ -51,6 +51,32 @@
 #include <arm_neon.h>
 #endif
 
+/* The pool's self-check (tests/test_pool_and_ops.py): `jobs` back-to-back jobs of 2..8 tiny tasks on
+ * `nthreads` threads, each task counting its runs; returns how many tasks had not run exactly once when
+ * gs_parallel returned (0 when every job gives each task once and returns only after all finished). */
+typedef struct { _Atomic int *runs; int spin; } gs_check_ctx;
+
+static void gs_check_task(void *c, int t) {
+    const gs_check_ctx *x = c;
+    for (volatile int i = 0; i < x->spin; i++) {
+    }
+    atomic_fetch_add(&x->runs[t], 1);
+}
+
+long gs_pool_check(long jobs, int nthreads) {
+    static _Atomic int runs[2][8];
+    long bad = 0;
+    for (long j = 0; j < jobs; j++) {
+        _Atomic int *r = runs[j & 1];
+        const int n = 2 + (int)(j % 7);
+        for (int t = 0; t < 8; t++) atomic_store(&r[t], 0);
+        gs_check_ctx c = {r, (int)(j % 5) * 20};
+        gs_parallel(n, nthreads, gs_check_task, &c);
+        for (int t = 0; t < n; t++) bad += atomic_load(&r[t]) != 1;
+    }
+    return bad;
+}
+
 const char *gs_isa(void) {
 #if defined(GS_AVX512)
     return "avx512";
