@@ -175,6 +175,17 @@ def test_save_and_restore_refuse_entries_that_are_not_regular_files(srv):
     assert r.status_code == 400 and "pipe.bin" in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("bad", [b"caf\xe9.bin", b"x\xe2\x82.bin", b"x\xed\xa0\x80.bin"], ids=["latin1", "cut", "surrogate"])
+@pytest.mark.parametrize("action", ["save", "restore"])
+def test_slot_actions_refuse_bytes_that_are_not_utf8(srv, action, bad):
+    """The slot route reads a JSON body too (issue 33, item 1: every route): a 400 naming UTF-8, no file."""
+    before = sorted(p.name for p in srv.save_dir.iterdir())
+    r = httpx.post(srv.url + f"/slots/0?action={action}", content=b'{"filename": "' + bad + b'"}',
+                   headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "not valid UTF-8" in r.json()["error"]["message"], r.text
+    assert sorted(p.name for p in srv.save_dir.iterdir()) == before
+
+
 def test_slot_actions_without_a_save_path_are_501():
     client = TestClient(create_app(ServeConfig()), base_url="http://localhost")  # no lifespan: the model never loads; the check comes first
     r = client.post("/slots/0?action=save", json={"filename": "x.bin"})
