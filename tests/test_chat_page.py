@@ -2,7 +2,8 @@
 against the default server (the embedded base model, `ngram-simple,draft-mtp`): a conversation with a
 highlighted code block and its copy button, markdown that cannot carry HTML, conversations kept over a
 reload, settings that reach the request, Stop keeping a reply's figures, and token colours that match
-the provenance the server streamed for that reply. The tests run in order on one page."""
+the provenance the server streamed for that reply, and the base-model notice with text completion by
+default. The tests run in order on one page."""
 
 from __future__ import annotations
 
@@ -263,4 +264,19 @@ def test_text_completion_mode(page):
     reply = page.locator(".msg.assistant").nth(i)
     assert reply.locator(".text.plain").count() == 1 and reply.inner_text().strip()
     assert "16 tokens" in reply.locator(".stats").inner_text()
+    settings(page, mode="auto")
+
+
+def test_a_base_model_gets_a_notice_and_text_completion_by_default(page):
+    """The default model is a base model (/props: is_base_model): the page says so, and its automatic mode
+    sends text completions; choosing chat keeps the notice, which then points back to text completion."""
+    page.click("#new-chat")
+    settings(page, mode="auto", max_tokens="8", temperature="0")
+    notice = page.locator("#notice")
+    assert notice.is_visible() and "base model" in notice.inner_text() and "text completions" in notice.inner_text()
+    with page.expect_request("**/completion") as req:
+        send(page, "The capital of France is")
+    assert req.value.url.endswith("/completion") and "prompt" in req.value.post_data_json
+    settings(page, mode="chat")
+    assert notice.is_visible() and "switches to text completion" in notice.inner_text()
     settings(page, mode="auto")

@@ -72,6 +72,7 @@ def test_models_props_and_slots(server, client):
     assert props["is_base_model"] is True and props["model_has_chat_template"] is False
     log = server.log()
     assert "note: this is a base (pretrained) model" in log and "gemmaspec pull gemma-3-1b-it" in log
+    assert "the chat page at / sends it text completions" in log  # what the page offers a base model
     assert "why:" not in log and "memory (" not in log  # provenance and the estimate: with --verbose
     slots = httpx.get(server.url + "/slots").json()
     assert [s["id"] for s in slots] == [0, 1, 2, 3]

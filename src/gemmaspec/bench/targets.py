@@ -192,7 +192,7 @@ class InProcessTarget:
 
         bound = choose_bound(n_max)
         opts = RequestOptions(params, n_max=n_max if bound is None else bound, choose_n=bound is not None)
-        job = Job(ids, opts, emit, name="bench")
+        job = Job(ids, opts, emit, name="bench", quiet=True)  # its figures go to results.json, not to stderr
         sched.submit(job)
         arrivals, tokens, text = [], [], []
         while True:

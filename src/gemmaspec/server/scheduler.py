@@ -66,6 +66,8 @@ class Job:
             slot, so another user's cached conversation is not evicted for a few shared template tokens.
         progress: emit ``("progress", {"total", "cache", "processed", "time_ms"})`` before and after
             each prefill chunk (llama-server's ``return_progress``).
+        quiet: no log line when it ends (at DEBUG instead of INFO): ``gemmaspec bench``'s in-process
+            requests, whose figures go to its results, not one line each on stderr.
         images: the prompt's images (:class:`~gemmaspec.multimodal.ImageSpan`); the slot's cache is
             matched by :meth:`~gemmaspec.engine.RequestState.cache_keys`, so KV is reused past an image
             only for the same image at the same place.
@@ -85,6 +87,7 @@ class Job:
     progress: bool = False
     group: int | None = None  # the request it belongs to, when one request runs several jobs (n, prompts)
     images: list = field(default_factory=list)
+    quiet: bool = False
     stop_word: str = ""
     cache_n: int = 0
     n_cached: int = 0
@@ -478,11 +481,12 @@ class Scheduler:
         st = job.stats
         if self.metrics is not None:
             self.metrics.record(job)
-        log.info("%s: slot %d | prompt %d tokens, prefill %.1f tokens/s | generated %d tokens, %s | "
-                 "TTFT %.0f ms | finish %s | %s", job.name, s.index, st.prompt_tokens, st.prefill_tps,
-                 st.generated_tokens, st.decode_text, job.ttft_ms, st.stop_reason,
-                 " | ".join([st.spec.llama_line()] + st.spec.drafter_lines()
-                            + ([st.spec.chosen_text()] if st.spec.chosen_n else [])))
+        log.log(logging.DEBUG if job.quiet else logging.INFO,
+                "%s: slot %d | prompt %d tokens, prefill %.1f tokens/s | generated %d tokens, %s | "
+                "TTFT %.0f ms | finish %s | %s", job.name, s.index, st.prompt_tokens, st.prefill_tps,
+                st.generated_tokens, st.decode_text, job.ttft_ms, st.stop_reason,
+                " | ".join([st.spec.llama_line()] + st.spec.drafter_lines()
+                           + ([st.spec.chosen_text()] if st.spec.chosen_n else [])))
         if not job.cancelled:
             job.emit(("done", job))
 

@@ -74,7 +74,9 @@ def load_model(cfg: ServeConfig) -> tuple[LoadedModel, Callable]:
     from ..manage.catalog import base_model_note, is_base
 
     if is_base(engine.tokenizer):
-        log.info("note: %s", base_model_note())  # /props says it too: is_base_model
+        # /props says it too (is_base_model), and the chat page's automatic mode sends text completions then
+        log.info("note: %s; the chat page at / sends it text completions (its settings switch to chat)",
+                 base_model_note())
     make = build(drafter_plan, engine, warn=log.warning)
     vision = None
     if cfg.mmproj:
