@@ -14,6 +14,34 @@ from dataclasses import dataclass, field
 from ..errors import ModelFileError
 
 
+class VisionJSON:
+    """``to_json`` / ``from_json`` of the vision towers' frozen config dataclasses (the configs cached
+    with a converted tower): every field as JSON, lists read back as tuples (image mean and std)."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(text).items()})
+
+
+def hf_vision_parts(cfg: dict, need: tuple[str, ...]) -> tuple[dict, dict]:
+    """``(vision_config, text_config)`` of a multimodal ``config.json`` dict.
+
+    Raises:
+        ValueError: no ``vision_config`` (a text-only checkpoint), or a key of ``need`` missing from it,
+            or no ``text_config.hidden_size``.
+    """
+    v, t = cfg.get("vision_config"), cfg.get("text_config") or {}
+    if not isinstance(v, dict):
+        raise ValueError("config.json has no vision_config: a text-only checkpoint has no vision tower")
+    missing = [k for k in need if k not in v] + ([] if "hidden_size" in t else ["text_config.hidden_size"])
+    if missing:
+        raise ValueError(f"config.json lacks vision_config {', '.join(missing)}")
+    return v, t
+
+
 @dataclass(frozen=True)
 class Gemma3Config:
     """Gemma 3 text model hyper-parameters.

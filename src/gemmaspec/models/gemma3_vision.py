@@ -19,8 +19,6 @@ to each other bidirectionally there.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass
 
@@ -31,6 +29,7 @@ import torch.nn.functional as F
 from ..errors import ModelFileError
 from ..kernels import BlockWeight
 from .base import linear
+from .config import VisionJSON, hf_vision_parts
 
 BOI, EOI, IMAGE_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 """Gemma 3's image tokens: transformers' ``Gemma3Processor`` writes each image as
@@ -38,7 +37,7 @@ BOI, EOI, IMAGE_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token
 
 
 @dataclass(frozen=True)
-class Gemma3VisionConfig:
+class Gemma3VisionConfig(VisionJSON):
     """The vision tower's hyper-parameters (transformers ``SiglipVisionConfig`` + ``Gemma3Config``'s
     ``mm_tokens_per_image``; GGUF keys ``clip.vision.*`` in comments).
 
@@ -82,15 +81,6 @@ class Gemma3VisionConfig:
         factor, written only when it is not 4, as llama.cpp's converter does)."""
         return {} if self.pool == 4 else {gguf.Keys.ClipVision.Projector.SCALE_FACTOR: ("uint32", self.pool)}
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "Gemma3VisionConfig":
-        d = json.loads(text)
-        d["image_mean"], d["image_std"] = tuple(d["image_mean"]), tuple(d["image_std"])
-        return cls(**d)
-
     @classmethod
     def from_hf(cls, cfg: dict, preprocessor: dict | None = None) -> "Gemma3VisionConfig":
         """From a multimodal ``config.json`` dict (its ``vision_config``, ``text_config.hidden_size``,
@@ -99,14 +89,8 @@ class Gemma3VisionConfig:
         Raises:
             ValueError: no ``vision_config`` (a text-only checkpoint) or a required key missing.
         """
-        v, t = cfg.get("vision_config"), cfg.get("text_config") or {}
-        if not isinstance(v, dict):
-            raise ValueError("config.json has no vision_config: a text-only checkpoint has no vision tower")
-        need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
-                "patch_size")
-        missing = [k for k in need if k not in v] + ([] if "hidden_size" in t else ["text_config.hidden_size"])
-        if missing:
-            raise ValueError(f"config.json lacks vision_config {', '.join(missing)}")
+        v, t = hf_vision_parts(cfg, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+                "patch_size"))
         pre = preprocessor or {}
         return cls(image_size=int(v["image_size"]), patch_size=int(v["patch_size"]), hidden_size=int(v["hidden_size"]),
                    intermediate_size=int(v["intermediate_size"]), num_layers=int(v["num_hidden_layers"]),

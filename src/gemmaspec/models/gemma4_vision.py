@@ -24,8 +24,6 @@ weightless RMSNorm and projects to the text width. An image thus gives
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -36,6 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import ModelFileError
 from .base import linear, rms_norm
+from .config import VisionJSON, hf_vision_parts
 
 BOI, EOI, IMAGE_TOKEN = "<|image>", "<image|>", "<|image|>"
 """Gemma 4's image tokens: transformers' ``Gemma4Processor`` replaces each ``<|image|>`` marker the chat
@@ -53,7 +52,7 @@ images by its own rule, 70 to 1120 tokens unless ``--image-max-tokens``; docs/us
 
 
 @dataclass(frozen=True)
-class Gemma4VisionConfig:
+class Gemma4VisionConfig(VisionJSON):
     """The vision tower's hyper-parameters (transformers ``Gemma4VisionConfig`` and the image
     processor's ``max_soft_tokens``; GGUF keys ``clip.vision.*`` in comments)."""
 
@@ -87,15 +86,6 @@ class Gemma4VisionConfig:
     def max_patches(self) -> int:
         return self.max_soft_tokens * self.pooling_kernel ** 2
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "Gemma4VisionConfig":
-        d = json.loads(text)
-        d["image_mean"], d["image_std"] = tuple(d["image_mean"]), tuple(d["image_std"])
-        return cls(**d)
-
     @classmethod
     def from_hf(cls, cfg: dict, preprocessor: dict | None = None) -> "Gemma4VisionConfig":
         """From a ``Gemma4ForConditionalGeneration`` ``config.json`` dict (``vision_config``,
@@ -104,13 +94,7 @@ class Gemma4VisionConfig:
         Raises:
             ValueError: no ``vision_config``, a required key missing, or a setting not implemented.
         """
-        v, t = cfg.get("vision_config"), cfg.get("text_config") or {}
-        if not isinstance(v, dict):
-            raise ValueError("config.json has no vision_config: a text-only checkpoint has no vision tower")
-        need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "patch_size")
-        missing = [k for k in need if k not in v] + ([] if "hidden_size" in t else ["text_config.hidden_size"])
-        if missing:
-            raise ValueError(f"config.json lacks vision_config {', '.join(missing)}")
+        v, t = hf_vision_parts(cfg, ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "patch_size"))
         act = v.get("hidden_activation", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
             raise ValueError(f"vision_config hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
