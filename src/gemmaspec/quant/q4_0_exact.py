@@ -27,6 +27,9 @@ its values on levels ±1, ±2, ±4, -8 (value / level), and every fp16 step with
 of the best so far (both signs, the best's levels): where the trained step is a float32 number that
 fp16 cannot hold, the step reproducing the most values after rounding lies there. The window's steps
 are counted cheaply first and fully scored only when they could beat the best.
+A block still off the grid after every peak level also scores the plain search of issue 33: f16(m / k)
+for each distinct nonzero magnitude m of the block and k = 1..8, both signs, levels rint(v / d)
+clipped to [-8, 7], so a block left off the grid reproduces at least as many values as that search.
 A block whose reconstruction misses a value by more than ``tolerance_ulp`` fits no grid and is
 reported off-grid.
 
@@ -192,6 +195,27 @@ def _search(k: _Blocks, peak, ks, start=None):
     return best
 
 
+def _magnitude_steps(k: _Blocks, best):
+    """Blocks still off the grid after every peak level: the plain search of issue 33. For k = 1..8, for
+    each distinct nonzero magnitude m of the block (in block order, its first value), d = f16(m / k),
+    scored as +d, then -d, with levels rint(v / d) clipped to [-8, 7] (a d that rounds to 0 or past
+    65504 is skipped)."""
+    a = np.abs(k.v64)
+    earlier = np.tril(np.ones((QK, QK), dtype=bool), -1)  # [i, j]: j < i
+    first = (a != 0) & ~((a[:, :, None] == a[:, None, :]) & earlier).any(axis=2)
+    for div in range(1, 9):
+        for i in range(QK):
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                d = (a[:, i] / div).astype(np.float16)
+                d64 = d.astype(np.float64)
+                levels = np.rint(k.v64 / np.where(d64 != 0, d64, 1.0)[:, None])
+            valid = first[:, i] & (d64 != 0) & np.isfinite(d64)
+            d = np.where(valid, d, np.float16(0))
+            best = _score(k, d, np.clip(levels, -8, 7), valid, best)
+            best = _score(k, -d, np.clip(-levels, -8, 7), valid, best)
+    return best
+
+
 def _exact_steps(v, peak, ks):
     """Per block, the first level k of ``ks`` whose step d = peak / k is an fp16 number reproducing all
     32 values bit-exactly (levels rint(v / d) in [-8, 7], d·level == v in float32): (found bool [B],
@@ -334,6 +358,9 @@ def _pack_numpy(v: np.ndarray, mantissa_bits: int, tolerance_ulp: float) -> Pack
     idx = near()
     if rest.size:
         update(rest, _search(k.take(rest), peak[rest], _STAGE2, tuple(x[rest] for x in best)))
+        rest = rest[best[4][rest] > tolerance_ulp]  # still off the grid: the plain search's steps too
+        if rest.size:
+            update(rest, _magnitude_steps(k.take(rest), tuple(x[rest] for x in best)))
     if idx.size:
         found, d3, l3 = _exact_steps(v[idx], peak[idx], _STAGE2)
         update(idx[found], (d3[found], l3[found], QK, QK, 0.0))
