@@ -359,3 +359,18 @@ def test_off_grid_blocks_beat_the_candidate_search_block_by_block(seed, kind):
     assert short.size == 0, (short.size, int(off.sum()), c.exact_src[off][short[:5]], src[short[:5]])
     recon = c.d.astype(np.float32)[:, None] * c.levels.astype(np.float32)
     assert np.array_equal((_bf16(recon) == v).sum(axis=1), c.exact_src)
+
+
+def test_the_plain_search_pass_can_be_skipped_for_a_tensor_that_falls_back():
+    """``magnitudes=False`` (what ``quantize`` passes once a tensor has a block off the grid: it is then
+    stored in the fallback type and the rest only feeds the report) skips that pass alike in C and numpy:
+    same bits, on-grid blocks unchanged, off-grid blocks never better than with the pass."""
+    rng = np.random.default_rng(31)
+    v, moved = _moved_off_the_grid(rng, 600, "uniform")
+    full = pack_exact(v, backend="c")
+    a, b = pack_exact(v, backend="numpy", magnitudes=False), pack_exact(v, backend="c", magnitudes=False)
+    assert np.array_equal(a.d.view(np.uint16), b.d.view(np.uint16)) and np.array_equal(a.levels, b.levels)
+    assert np.array_equal(a.exact_src, b.exact_src) and np.array_equal(a.on_grid, full.on_grid)
+    on = full.on_grid
+    assert np.array_equal(b.d.view(np.uint16)[on], full.d.view(np.uint16)[on])
+    assert (b.exact_src[~on] <= full.exact_src[~on]).all() and (b.exact_src[~on] < full.exact_src[~on]).any()

@@ -372,6 +372,7 @@ typedef struct {
     double *err_out;
     uint8_t *packed;
     double *sq_err, *sq_src;
+    int magnitudes; /* whether a block still off the grid scores the plain search's steps (try_magnitudes) */
 } pack_job;
 
 #define PACK_BLOCKS 256 /* blocks per task */
@@ -380,6 +381,7 @@ static void pack_task(void *ctx, int t) {
     const float *v = j->v;
     const int mbits = j->mantissa_bits;
     const double tol = j->tol;
+    const int magnitudes = j->magnitudes;
     uint16_t *d_out = j->d_out;
     int8_t *lv_out = j->lv_out;
     int32_t *exact_out = j->exact_out, *src_out = j->src_out;
@@ -416,7 +418,7 @@ static void pack_task(void *ctx, int t) {
             for (int j = 0; j < 5 && b.f32 < QK; j++) try_level(x, v64, inv_ulp, mbits, peak, STAGE1[j], tol, &b);
             if (!(b.err <= tol)) {
                 for (int j = 0; j < 10 && b.f32 < QK; j++) try_level(x, v64, inv_ulp, mbits, peak, STAGE2[j], tol, &b);
-                if (!(b.err <= tol)) try_magnitudes(x, v64, inv_ulp, mbits, tol, &b);
+                if (!(b.err <= tol) && magnitudes) try_magnitudes(x, v64, inv_ulp, mbits, tol, &b);
             } else if (b.f32 < QK) {  /* on the grid, not all bit-exact: an exact fit on the other levels? */
                 double m = amax;                  /* the smallest nonzero magnitude: an exact fit's |d| <= m, */
                 for (int i = 0; i < QK; i++)      /* so |k| * m >= amax (a skipped k could not fit: same choice) */
@@ -452,7 +454,8 @@ static void pack_task(void *ctx, int t) {
 
 void gs_q4_0_exact(const float *v, int64_t nblocks, int mantissa_bits, double tol, uint16_t *d_out,
                    int8_t *lv_out, int32_t *exact_out, int32_t *src_out, double *err_out, uint8_t *packed,
-                   double *sq_err, double *sq_src, int nthreads) {
-    pack_job job = {v, nblocks, mantissa_bits, tol, d_out, lv_out, exact_out, src_out, err_out, packed, sq_err, sq_src};
+                   double *sq_err, double *sq_src, int magnitudes, int nthreads) {
+    pack_job job = {v, nblocks, mantissa_bits, tol, d_out, lv_out, exact_out, src_out, err_out, packed, sq_err, sq_src,
+                    magnitudes};
     gs_parallel((int)((nblocks + PACK_BLOCKS - 1) / PACK_BLOCKS), nthreads, pack_task, &job);
 }
