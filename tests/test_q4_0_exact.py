@@ -321,3 +321,56 @@ def test_round_to_source_is_the_formats_own_rounding(mbits):
 def test_unknown_source_format_is_an_error():
     with pytest.raises(ValueError, match="mantissa_bits"):
         pack_exact(np.zeros((1, 32), np.float32), mantissa_bits=5)
+
+
+def _moved_off_the_grid(rng, n_blocks, kind, share=0.2, units=3):
+    """Synthetic QAT blocks (float32 steps, as :func:`_qat_f32_steps`) with one nonzero value in
+    ``share`` of them moved by ``units`` bf16 units (up or down): most of those blocks then fit no grid
+    within 1 ulp. Returns (float32 [n, 32] bf16 values, bool [n] moved)."""
+    v, _ = _qat_f32_steps(rng, n_blocks, kind)
+    moved = rng.random(n_blocks) < share
+    moved &= (v != 0).any(axis=1)
+    for b in np.nonzero(moved)[0]:
+        at = rng.choice(np.nonzero(v[b])[0])
+        bits = v[b, at:at + 1].view(np.uint32)
+        bits += np.uint32(units << 16) if rng.random() < 0.5 or (bits[0] >> 16) & 0x7FFF <= units else \
+            np.uint32(-(units << 16) & 0xFFFFFFFF)
+    return _bf16(v), moved
+
+
+@pytest.mark.parametrize("seed,kind", [(21, "uniform"), (22, "gauss"), (23, "uniform"), (24, "gauss")])
+def test_off_grid_blocks_beat_the_candidate_search_block_by_block(seed, kind):
+    """On blocks that fit no grid (a value moved by 3 bf16 units), the packer reproduces at least as many
+    values bit-exactly after bf16 rounding as the plain candidate search of issue 33 (each distinct
+    magnitude / 1..8, rounded to fp16, both signs) on every block, and the C packer and the numpy
+    reference choose the same bits."""
+    rng = np.random.default_rng(seed)
+    v, moved = _moved_off_the_grid(rng, 3000, kind)
+    c = pack_exact(v, backend="c")
+    off = ~c.on_grid
+    assert off.sum() > 300 and not off[~moved].any()  # the moved blocks (most of them) and only those
+    a = pack_exact(v[moved], backend="numpy")
+    b = pack_exact(v[moved], backend="c")
+    for x, y in ((a.d.view(np.uint16), b.d.view(np.uint16)), (a.levels, b.levels), (a.exact, b.exact),
+                 (a.exact_src, b.exact_src), (a.max_err_ulp, b.max_err_ulp), (a.on_grid, b.on_grid)):
+        assert np.array_equal(x, y)
+    _, src, _, _ = _candidate_search(v[off])
+    short = np.nonzero(c.exact_src[off] < src)[0]
+    assert short.size == 0, (short.size, int(off.sum()), c.exact_src[off][short[:5]], src[short[:5]])
+    recon = c.d.astype(np.float32)[:, None] * c.levels.astype(np.float32)
+    assert np.array_equal((_bf16(recon) == v).sum(axis=1), c.exact_src)
+
+
+def test_the_plain_search_pass_can_be_skipped_for_a_tensor_that_falls_back():
+    """``magnitudes=False`` (what ``quantize`` passes once a tensor has a block off the grid: it is then
+    stored in the fallback type and the rest only feeds the report) skips that pass alike in C and numpy:
+    same bits, on-grid blocks unchanged, off-grid blocks never better than with the pass."""
+    rng = np.random.default_rng(31)
+    v, moved = _moved_off_the_grid(rng, 600, "uniform")
+    full = pack_exact(v, backend="c")
+    a, b = pack_exact(v, backend="numpy", magnitudes=False), pack_exact(v, backend="c", magnitudes=False)
+    assert np.array_equal(a.d.view(np.uint16), b.d.view(np.uint16)) and np.array_equal(a.levels, b.levels)
+    assert np.array_equal(a.exact_src, b.exact_src) and np.array_equal(a.on_grid, full.on_grid)
+    on = full.on_grid
+    assert np.array_equal(b.d.view(np.uint16)[on], full.d.view(np.uint16)[on])
+    assert (b.exact_src[~on] <= full.exact_src[~on]).all() and (b.exact_src[~on] < full.exact_src[~on]).any()

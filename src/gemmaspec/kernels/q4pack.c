@@ -10,9 +10,10 @@
  * block (summed in numpy's pairwise order, so the fp16 rounding matches bit for bit), then the fp16
  * steps f16(s), f16(s_ls) and its two fp16 neighbours. Levels -8, 7, -7, 6, -6 first; the others only
  * on a block off the grid (full scoring) or on the grid but not all bit-exact (then only an fp16 step
- * peak / k reproducing every value bit-exactly is taken: exact_step); then, on the grid and still not
- * all bit-exact in float32, the steps read off single values (try_value_steps) and every fp16 step
- * within WINDOW units of the best (try_window).
+ * peak / k reproducing every value bit-exactly is taken: exact_step); a block still off the grid then
+ * scores f16(|v| / k) for every nonzero value v and k = 1..8, both signs (try_magnitudes); then, on the
+ * grid and still not all bit-exact in float32, the steps read off single values (try_value_steps) and
+ * every fp16 step within WINDOW units of the best (try_window).
  *
  * Built with -O3 -march=native -ffp-contract=off (no fused multiply-adds, so float results equal
  * numpy's), blocks spread over gemmaspec's thread pool (pool.h).
@@ -224,6 +225,42 @@ static void try_value_steps(const float *v, const double *v64, const double *inv
     }
 }
 
+/* Off the grid after every peak level: the plain search of issue 33 (q4_0_exact._magnitude_steps). For
+ * k = 1..8, for each nonzero value in block order, d = f16(|v| / k), scored as +d, then -d, with levels
+ * rint(v / d) clipped to [-8, 7]; a d rounding to 0 or past 65504 is skipped. Skipped too, as they
+ * cannot be strictly better than what was scored before them (the choice is the reference's): a step
+ * already scored (a repeated magnitude, or |v| / k equal to another |v'| / k'), which gives the same
+ * levels and score; -d when every level is within +-7, where -d with the levels -n reconstructs
+ * exactly what +d with n does. */
+static void try_magnitudes(const float *v, const double *v64, const double *inv_ulp, int mbits, double tol,
+                           best_t *b) {
+    uint16_t seen[512];                           /* open addressing on |h| (at most 256 distinct steps) */
+    memset(seen, 0, sizeof seen);
+    for (int k = 1; k <= 8; k++)
+        for (int i = 0; i < QK; i++) {
+            if (v64[i] == 0.0) continue;
+            uint16_t h = f64_to_f16(fabs(v64[i]) / (double)k);
+            if (h == 0 || h >= 0x7c00) continue;
+            unsigned slot = ((unsigned)h * 40503u >> 6) & 511u;
+            while (seen[slot] != 0 && seen[slot] != h) slot = (slot + 1) & 511u;
+            if (seen[slot] == h) continue;
+            seen[slot] = h;
+            double d = (double)f16_to_f32(h);
+            float q[QK], lp[QK], lm[QK];
+            int wide = 0;                         /* a level outside [-7, 7]: -d scores differently */
+            /* one operation per loop, so that each vectorizes (nested selects do not); the levels are
+             * whole numbers, exact in float (a huge one stays beyond the clip, or becomes inf) */
+            for (int j = 0; j < QK; j++) q[j] = (float)rint(v64[j] / d);
+            for (int j = 0; j < QK; j++) wide |= fabsf(q[j]) > 7.0f;
+            for (int j = 0; j < QK; j++) lp[j] = q[j] < -8.0f ? -8.0f : q[j];
+            for (int j = 0; j < QK; j++) lp[j] = lp[j] > 7.0f ? 7.0f : lp[j];
+            for (int j = 0; j < QK; j++) lm[j] = q[j] > 8.0f ? -8.0f : -q[j];
+            for (int j = 0; j < QK; j++) lm[j] = lm[j] > 7.0f ? 7.0f : lm[j];
+            score_step(v, v64, inv_ulp, mbits, h, lp, tol, b);
+            if (wide) score_step(v, v64, inv_ulp, mbits, (uint16_t)(h | 0x8000), lm, tol, b);
+        }
+}
+
 /* The exact fit with the peak on level k, if there is one: d = f16(peak / k) such that every value is
  * d * rint(v / d) bit for bit with the level in [-8, 7]. Any bit-exact fit is of this form (the peak is
  * d * k for its own level k, and the correctly rounded quotient peak / k is then d itself). */
@@ -335,6 +372,7 @@ typedef struct {
     double *err_out;
     uint8_t *packed;
     double *sq_err, *sq_src;
+    int magnitudes; /* whether a block still off the grid scores the plain search's steps (try_magnitudes) */
 } pack_job;
 
 #define PACK_BLOCKS 256 /* blocks per task */
@@ -343,6 +381,7 @@ static void pack_task(void *ctx, int t) {
     const float *v = j->v;
     const int mbits = j->mantissa_bits;
     const double tol = j->tol;
+    const int magnitudes = j->magnitudes;
     uint16_t *d_out = j->d_out;
     int8_t *lv_out = j->lv_out;
     int32_t *exact_out = j->exact_out, *src_out = j->src_out;
@@ -377,9 +416,10 @@ static void pack_task(void *ctx, int t) {
             b.err = INFINITY;
             /* a candidate reproducing all 32 values bit-exactly in float32 (error 0) cannot be beaten */
             for (int j = 0; j < 5 && b.f32 < QK; j++) try_level(x, v64, inv_ulp, mbits, peak, STAGE1[j], tol, &b);
-            if (!(b.err <= tol))
+            if (!(b.err <= tol)) {
                 for (int j = 0; j < 10 && b.f32 < QK; j++) try_level(x, v64, inv_ulp, mbits, peak, STAGE2[j], tol, &b);
-            else if (b.f32 < QK) {  /* on the grid, not all bit-exact: an exact fit on the other levels? */
+                if (!(b.err <= tol) && magnitudes) try_magnitudes(x, v64, inv_ulp, mbits, tol, &b);
+            } else if (b.f32 < QK) {  /* on the grid, not all bit-exact: an exact fit on the other levels? */
                 double m = amax;                  /* the smallest nonzero magnitude: an exact fit's |d| <= m, */
                 for (int i = 0; i < QK; i++)      /* so |k| * m >= amax (a skipped k could not fit: same choice) */
                     if (v64[i] != 0.0 && fabs(v64[i]) < m) m = fabs(v64[i]);
@@ -414,7 +454,8 @@ static void pack_task(void *ctx, int t) {
 
 void gs_q4_0_exact(const float *v, int64_t nblocks, int mantissa_bits, double tol, uint16_t *d_out,
                    int8_t *lv_out, int32_t *exact_out, int32_t *src_out, double *err_out, uint8_t *packed,
-                   double *sq_err, double *sq_src, int nthreads) {
-    pack_job job = {v, nblocks, mantissa_bits, tol, d_out, lv_out, exact_out, src_out, err_out, packed, sq_err, sq_src};
+                   double *sq_err, double *sq_src, int magnitudes, int nthreads) {
+    pack_job job = {v, nblocks, mantissa_bits, tol, d_out, lv_out, exact_out, src_out, err_out, packed, sq_err, sq_src,
+                    magnitudes};
     gs_parallel((int)((nblocks + PACK_BLOCKS - 1) / PACK_BLOCKS), nthreads, pack_task, &job);
 }

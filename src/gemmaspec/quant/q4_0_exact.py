@@ -27,6 +27,9 @@ its values on levels ±1, ±2, ±4, -8 (value / level), and every fp16 step with
 of the best so far (both signs, the best's levels): where the trained step is a float32 number that
 fp16 cannot hold, the step reproducing the most values after rounding lies there. The window's steps
 are counted cheaply first and fully scored only when they could beat the best.
+A block still off the grid after every peak level also scores the plain search of issue 33: f16(m / k)
+for each distinct nonzero magnitude m of the block and k = 1..8, both signs, levels rint(v / d)
+clipped to [-8, 7], so a block left off the grid reproduces at least as many values as that search.
 A block whose reconstruction misses a value by more than ``tolerance_ulp`` fits no grid and is
 reported off-grid.
 
@@ -192,6 +195,27 @@ def _search(k: _Blocks, peak, ks, start=None):
     return best
 
 
+def _magnitude_steps(k: _Blocks, best):
+    """Blocks still off the grid after every peak level: the plain search of issue 33. For k = 1..8, for
+    each distinct nonzero magnitude m of the block (in block order, its first value), d = f16(m / k),
+    scored as +d, then -d, with levels rint(v / d) clipped to [-8, 7] (a d that rounds to 0 or past
+    65504 is skipped)."""
+    a = np.abs(k.v64)
+    earlier = np.tril(np.ones((QK, QK), dtype=bool), -1)  # [i, j]: j < i
+    first = (a != 0) & ~((a[:, :, None] == a[:, None, :]) & earlier).any(axis=2)
+    for div in range(1, 9):
+        for i in range(QK):
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                d = (a[:, i] / div).astype(np.float16)
+                d64 = d.astype(np.float64)
+                levels = np.rint(k.v64 / np.where(d64 != 0, d64, 1.0)[:, None])
+            valid = first[:, i] & (d64 != 0) & np.isfinite(d64)
+            d = np.where(valid, d, np.float16(0))
+            best = _score(k, d, np.clip(levels, -8, 7), valid, best)
+            best = _score(k, -d, np.clip(-levels, -8, 7), valid, best)
+    return best
+
+
 def _exact_steps(v, peak, ks):
     """Per block, the first level k of ``ks`` whose step d = peak / k is an fp16 number reproducing all
     32 values bit-exactly (levels rint(v / d) in [-8, 7], d·level == v in float32): (found bool [B],
@@ -259,13 +283,13 @@ def _c_library():
             if lib is not None:
                 P = ctypes.c_void_p
                 lib.gs_q4_0_exact.argtypes = [P, ctypes.c_int64, ctypes.c_int, ctypes.c_double, P, P, P, P, P, P, P, P,
-                                              ctypes.c_int]
+                                              ctypes.c_int, ctypes.c_int]
                 lib.gs_q4_0_exact.restype = None
             _lib = lib
     return _lib
 
 
-def _pack_c(lib, v: np.ndarray, mantissa_bits: int, tolerance_ulp: float, threads: int) -> PackResult:
+def _pack_c(lib, v: np.ndarray, mantissa_bits: int, tolerance_ulp: float, threads: int, magnitudes: bool) -> PackResult:
     b = v.shape[0]
     d = np.empty(b, dtype=np.uint16)
     levels = np.empty((b, QK), dtype=np.int8)
@@ -275,13 +299,13 @@ def _pack_c(lib, v: np.ndarray, mantissa_bits: int, tolerance_ulp: float, thread
     sq_err, sq_src = np.empty(b), np.empty(b)
     lib.gs_q4_0_exact(v.ctypes.data, b, mantissa_bits, float(tolerance_ulp), d.ctypes.data, levels.ctypes.data,
                       exact.ctypes.data, exact_src.ctypes.data, err.ctypes.data, packed.ctypes.data, sq_err.ctypes.data,
-                      sq_src.ctypes.data, threads)
+                      sq_src.ctypes.data, int(magnitudes), threads)
     return PackResult(d.view(np.float16), levels, err <= tolerance_ulp, exact.astype(np.int64), err,
                       exact_src=exact_src.astype(np.int64), sq_err=sq_err, sq_src=sq_src, packed=packed)
 
 
 def pack_exact(w: np.ndarray, mantissa_bits: int = 7, tolerance_ulp: float = 1.0, backend: str = "auto",
-               threads: int | None = None) -> PackResult:
+               threads: int | None = None, magnitudes: bool = True) -> PackResult:
     """Recover each 32-value block's step and levels (the search: this module's docstring).
 
     Args:
@@ -291,6 +315,9 @@ def pack_exact(w: np.ndarray, mantissa_bits: int = 7, tolerance_ulp: float = 1.0
         backend: ``"c"`` (``kernels/q4pack.c``), ``"numpy"`` (the reference) or ``"auto"`` (C when it
             can be compiled).
         threads: threads for the C backend (default: all cores).
+        magnitudes: whether blocks still off the grid also score the plain search's steps (f16(m / k));
+            False skips that pass (~15 us per off-grid block): ``quantize`` turns it off for the rest of a
+            tensor once a block is off the grid, since the tensor is then stored in the fallback type.
 
     Raises:
         ValueError: K not a multiple of 32, NaN/Inf in the source, or another ``mantissa_bits``.
@@ -309,11 +336,11 @@ def pack_exact(w: np.ndarray, mantissa_bits: int = 7, tolerance_ulp: float = 1.0
     if backend == "c" and lib is None:
         raise RuntimeError("the C packer (kernels/q4pack.c) could not be compiled; is a C compiler (cc) on PATH?")
     if lib is not None:
-        return _pack_c(lib, v, mantissa_bits, tolerance_ulp, threads or os.cpu_count() or 1)
-    return _pack_numpy(v, mantissa_bits, tolerance_ulp)
+        return _pack_c(lib, v, mantissa_bits, tolerance_ulp, threads or os.cpu_count() or 1, magnitudes)
+    return _pack_numpy(v, mantissa_bits, tolerance_ulp, magnitudes)
 
 
-def _pack_numpy(v: np.ndarray, mantissa_bits: int, tolerance_ulp: float) -> PackResult:
+def _pack_numpy(v: np.ndarray, mantissa_bits: int, tolerance_ulp: float, magnitudes: bool = True) -> PackResult:
     """The numpy reference of :func:`pack_exact` on blocks ``v`` float32 [B, 32]."""
     k = _Blocks(v, v.astype(np.float64), ulp(v, mantissa_bits), mantissa_bits, tolerance_ulp)
     peak = k.v64[np.arange(v.shape[0]), np.abs(k.v64).argmax(axis=1)]
@@ -334,6 +361,9 @@ def _pack_numpy(v: np.ndarray, mantissa_bits: int, tolerance_ulp: float) -> Pack
     idx = near()
     if rest.size:
         update(rest, _search(k.take(rest), peak[rest], _STAGE2, tuple(x[rest] for x in best)))
+        rest = rest[best[4][rest] > tolerance_ulp]  # still off the grid: the plain search's steps too
+        if rest.size and magnitudes:
+            update(rest, _magnitude_steps(k.take(rest), tuple(x[rest] for x in best)))
     if idx.size:
         found, d3, l3 = _exact_steps(v[idx], peak[idx], _STAGE2)
         update(idx[found], (d3[found], l3[found], QK, QK, 0.0))

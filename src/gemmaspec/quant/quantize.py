@@ -84,7 +84,8 @@ def _pack_tensor(s: StreamingGGUF, name: str, t: StoredTensor, rep: TensorReport
             bad = np.argwhere(~np.isfinite(rows))[0]
             raise InputError(f"{name}: the source holds NaN or Inf (row {r0 + bad[0]}, column {bad[1]}); "
                              "the checkpoint is damaged")
-        r = pack_exact(rows, mbits, tolerance_ulp, threads=threads)
+        # once a block is off the grid the tensor goes to the fallback type: the rest only feeds the report
+        r = pack_exact(rows, mbits, tolerance_ulp, threads=threads, magnitudes=off_grid is None)
         rep.blocks += r.d.size
         rep.blocks_on_grid += int(r.on_grid.sum())
         rep.values += rows.size
