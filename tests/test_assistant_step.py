@@ -70,3 +70,30 @@ def test_run_step_declines_what_it_cannot_read(engine, mtp):
     # num_global_kv_heads): the C step takes one count for every layer, so it declines
     kv = {kind: (torch.cat([k, k], 1), torch.cat([v, v], 1), m) for kind, (k, v, m) in mtp.target_kv(p).items()}
     assert assistant_step.run_step(a, x, x, kv, a.rope_at(p)) is None
+
+
+def test_auto_drafts_with_int8_activations(engine, mtp):
+    """Under ``auto`` the assistant's C step multiplies int8 activations whatever the target's mode (its
+    products are bound by arithmetic: weights in cache): the bits of an explicit ``q8_0`` step, not
+    those of fp32; an explicit mode applies to it too; output stays the plain output."""
+    a = mtp.assistant
+    g = torch.Generator().manual_seed(0)
+    x, h = torch.randn(a.backbone_hidden_size, generator=g), torch.randn(a.backbone_hidden_size, generator=g)
+    steps = {}
+    try:
+        kernels.set_act_quant("auto")
+        ids = engine.tokenizer.encode("The three primary colours are")
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        plain = [t for ev in engine.generate(ids, params) for t in ev.tokens]
+        assert [t for ev in engine.generate(ids, params, mtp, n_max=3) for t in ev.tokens] == plain
+        p = 9  # a position of the cache just filled
+        kv, rope = mtp.target_kv(p), a.rope_at(p)
+        for mode in ("q8_0", "none", "auto"):
+            kernels.set_act_quant(mode)
+            assert kernels.draft_act_quant() == ("q8_0" if mode == "auto" else mode)
+            with torch.inference_mode():
+                steps[mode] = assistant_step.run_step(a, x, h, kv, rope, token=True)
+        assert torch.equal(steps["auto"][0], steps["q8_0"][0]) and torch.equal(steps["auto"][1], steps["q8_0"][1])
+        assert not torch.equal(steps["auto"][0], steps["none"][0])
+    finally:
+        kernels.set_act_quant("none")

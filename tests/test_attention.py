@@ -81,6 +81,26 @@ def test_rows_alone_equal_rows_batched_at_any_thread_count(lib, L, start):
     torch.testing.assert_close(alone, _reference(q, k, v, mask, 1.0), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("L,lo,hi", [(528, 0, 21), (528, 0, 300), (1030, 300, 700), (700, 513, 700)])
+def test_keys_outside_the_visible_span_are_never_read(lib, L, lo, hi):
+    """A ring not yet full (or a short cache in a long buffer, as the MTP assistant reads the target's)
+    costs its visible keys only: keys outside every row's visible span, NaN here, change no bit of the
+    result, and whole blocks with no visible key are skipped."""
+    t, h, hkv, d = 3, 4, 1, 256
+    q, k, v = _inputs(t, h, hkv, d, L, seed=L + lo)
+    mask = torch.zeros(t, L, dtype=torch.bool)
+    mask[:, lo:hi] = True
+    mask[1, hi - 1] = False  # rows see different spans; the union is what is read
+    want = _run(lib, q, k, v, mask)
+    k2, v2 = k.clone(), v.clone()
+    for x in (k2, v2):
+        x[:lo] = float("nan")
+        x[hi:] = float("nan")
+    for threads in (1, 2):
+        assert torch.equal(_run(lib, q, k2, v2, mask, threads=threads), want)
+    torch.testing.assert_close(want, _reference(q, k, v, mask, 1.0), rtol=2e-5, atol=2e-5)
+
+
 def test_a_row_that_sees_no_key_gets_zeros(lib):
     q, k, v = _inputs(2, 4, 2, 16, 300, seed=1)
     mask = torch.ones(2, 300, dtype=torch.bool)

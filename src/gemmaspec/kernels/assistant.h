@@ -24,6 +24,43 @@ static inline void prod1(const gs_prod *p, int K, const float *x, float *y, int 
     qmatmul_multi(p->nseg, p->fmts, p->ws, p->ss, p->os, p->Gs, p->Ns, K, x, NULL, 1, y, nthreads, act_q8);
 }
 
+/* The greedy pick of a reduced head for one row of scores: *best = the lowest target id among the rows
+ * of the highest score (what argmax over the target-vocabulary logits gives); *p_best (when not NULL)
+ * its probability under the softmax over the n_head rows, 1 / sum exp(score - best score): the exps
+ * by gs_expf (about 1 ulp), summed in double in 16 lanes (lane i % 16, i ascending; AT_BLOCK is a
+ * multiple of 16) and a fixed tree,
+ * so the value is the same on every instruction set and the loop vectorizes. */
+static void head_pick(const float *scores, int n_head, const int64_t *token_map, int64_t *best, float *p_best) {
+    float ml[AT_LANES]; /* the highest score: a max in 16 lanes (vectorizes), then the rows holding it */
+    for (int u = 0; u < AT_LANES; u++) ml[u] = scores[0];
+    int i0 = 0;
+    for (; i0 + AT_LANES <= n_head; i0 += AT_LANES)
+        for (int u = 0; u < AT_LANES; u++) ml[u] = scores[i0 + u] > ml[u] ? scores[i0 + u] : ml[u];
+    for (int u = 0; i0 + u < n_head; u++) ml[u] = scores[i0 + u] > ml[u] ? scores[i0 + u] : ml[u];
+    float mx = ml[0];
+    for (int u = 1; u < AT_LANES; u++) mx = ml[u] > mx ? ml[u] : mx;
+    int64_t tok = -1;
+    for (int i = 0; i < n_head; i++)
+        if (scores[i] == mx && (tok < 0 || token_map[i] < tok)) tok = token_map[i];
+    *best = tok;
+    if (p_best) {
+        double z[AT_LANES] = {0};
+        float e[AT_BLOCK]; /* exps of a chunk first (a loop that vectorizes), then into the double lanes */
+        for (int c0 = 0; c0 < n_head; c0 += AT_BLOCK) {
+            const int n = n_head - c0 < AT_BLOCK ? n_head - c0 : AT_BLOCK;
+            for (int l = 0; l < n; l++) e[l] = gs_expf(scores[c0 + l] - mx);
+            int l = 0;
+            for (; l + AT_LANES <= n; l += AT_LANES)
+                for (int u = 0; u < AT_LANES; u++) z[u] += (double)e[l + u];
+            for (int u = 0; l + u < n; u++) z[u] += (double)e[l + u];
+        }
+        double y[8];
+        for (int u = 0; u < 8; u++) y[u] = z[u] + z[u + 8];
+        const double sum = ((y[0] + y[4]) + (y[2] + y[6])) + ((y[1] + y[5]) + (y[3] + y[7]));
+        *p_best = (float)(1.0 / sum);
+    }
+}
+
 /* in [2 * Hb]: the target's scaled embedding of the token, then the hidden state the step reads.
  * D: the assistant's width, hq / hkv: its query heads / the target's KV heads, F: MLP width. Writes
  * hidden [D] (the final-norm state the head scores) and next_h [Hb] (the post-projection the next
@@ -71,18 +108,7 @@ int gs_assistant_step(int nl, const gs_alayer *layers, const gs_prod *pre, const
         float *scores = (float *)malloc(sizeof(float) * (size_t)n_head);
         if (!scores) return -1;
         prod1(head, D, hidden, scores, nthreads, act_q8);
-        float mx = scores[0];
-        int64_t tok = token_map[0];
-        for (int i = 1; i < n_head; i++) {
-            if (scores[i] > mx) mx = scores[i], tok = token_map[i];
-            else if (scores[i] == mx && token_map[i] < tok) tok = token_map[i];
-        }
-        *best = tok;
-        if (p_best) {
-            double z = 0.0; /* in order, double: the same value on every ISA */
-            for (int i = 0; i < n_head; i++) z += exp((double)scores[i] - (double)mx);
-            *p_best = (float)(1.0 / z);
-        }
+        head_pick(scores, n_head, token_map, best, p_best);
         free(scores);
     }
     return 0;
@@ -92,20 +118,28 @@ static inline void prodm(const gs_prod *p, int K, const float *x, int M, float *
     qmatmul_multi(p->nseg, p->fmts, p->ws, p->ss, p->os, p->Gs, p->Ns, K, x, NULL, M, y, nthreads, act_q8);
 }
 
-/* The greedy pick of a reduced head for one row of scores: gs_assistant_step's. */
-static void head_pick(const float *scores, int n_head, const int64_t *token_map, int64_t *best, float *p_best) {
-    float mx = scores[0];
-    int64_t tok = token_map[0];
-    for (int i = 1; i < n_head; i++) {
-        if (scores[i] > mx) mx = scores[i], tok = token_map[i];
-        else if (scores[i] == mx && token_map[i] < tok) tok = token_map[i];
-    }
-    *best = tok;
-    if (p_best) {
-        double z = 0.0;
-        for (int i = 0; i < n_head; i++) z += exp((double)scores[i] - (double)mx);
-        *p_best = (float)(1.0 / z);
-    }
+/* One row's query norm + RoPE and attention over its own target K/V (a task of gs_assistant_steps: the
+ * rows run on the pool's threads, each row's attention on one thread; gs_attention_mt's bits do not
+ * depend on the thread count, so each row gets the solo step's bits). */
+typedef struct {
+    const gs_alayer *layers, *ly;
+    int nl, l, hq, hkv, d;
+    long ld;
+    float eps;
+    const float *qv;
+    float *qr, *att;
+    volatile int failed;
+} as_att_job;
+
+static void as_att_task(void *ctx, int r) {
+    as_att_job *j = (as_att_job *)ctx;
+    const gs_alayer *lr = &j->layers[(size_t)r * j->nl + j->l];
+    const long ld = j->ld;
+    gs_norm_rope(j->qv + r * ld, ld, 1, j->hq, j->d, j->ly->q_norm, j->hq, j->ly->q_norm, lr->cos, lr->sin, j->eps,
+                 j->qr + r * ld);
+    if (gs_attention(j->qr + r * ld, ld, 1, j->hq, j->hkv, j->d, lr->k, lr->v, lr->L, lr->mask, 1.f, 0.f,
+                     j->att + r * ld) != 0)
+        j->failed = 1;
 }
 
 /* One draft step for B sequences at once (several slots' rounds): row b reads its own target K/V, mask
@@ -134,14 +168,17 @@ int gs_assistant_steps(int B, int nl, const gs_alayer *layers, const gs_prod *pr
         const long ld = (long)hq * d;
         gs_rms_norm(x, ly->attn_norm, B, D, eps, h);
         prodm(&ly->q, D, h, B, qv, nthreads, act_q8);
-        for (int r = 0; r < B; r++) {
-            const gs_alayer *lr = &layers[(size_t)r * nl + l];
-            gs_norm_rope(qv + r * ld, ld, 1, hq, d, ly->q_norm, hq, ly->q_norm, lr->cos, lr->sin, eps, qr + r * ld);
-            if (gs_attention(qr + r * ld, ld, 1, hq, hkv, d, lr->k, lr->v, lr->L, lr->mask, 1.f, 0.f,
-                             att + r * ld) != 0) {
-                free(buf);
-                return -1;
-            }
+        as_att_job aj = {layers, ly, nl, l, hq, hkv, d, ld, eps, qv, qr, att, 0};
+        if (B == 1) { /* one row: its blocks of keys across the threads, as gs_assistant_step */
+            const gs_alayer *lr = &layers[l];
+            gs_norm_rope(qv, ld, 1, hq, d, ly->q_norm, hq, ly->q_norm, lr->cos, lr->sin, eps, qr);
+            aj.failed = gs_attention_mt(qr, ld, 1, hq, hkv, d, lr->k, lr->v, lr->L, lr->mask, 1.f, 0.f, att, nthreads) != 0;
+        } else {
+            gs_parallel(B, nthreads, as_att_task, &aj);
+        }
+        if (aj.failed) {
+            free(buf);
+            return -1;
         }
         prodm(&ly->o, hq * d, att, B, a, nthreads, act_q8);
         gs_add_rms_norm(a, ly->post_attn_norm, B, D, eps, x, x);

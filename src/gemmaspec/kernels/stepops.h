@@ -111,14 +111,41 @@ static void at_block_task(void *ctx, int task) {
     float *S = j->sc + part * nq * AT_BLOCK, *O = j->po + part * nq * d;
     float *pm = j->pm + part * nq, *ps = j->ps + part * nq;
     const float *kb = j->k + (long)kvh * d, *vb = j->v + (long)kvh * d;
+    /* the visible keys of the block for any of its rows lie in [va, ve): keys outside it are skipped (a
+     * hidden key's score is -inf and its p exactly 0, so skipping it changes no bit); a block with no
+     * visible key is marked empty (the combine pass skips it). A sliding-window ring not yet full or a
+     * short cache in a long buffer (the assistant reads the target's) then costs its visible keys only. */
+    int va = l0, ve = l1;
+    if (j->mask) {
+        va = l1, ve = l0;
+        for (int r = 0; r < j->t; r++) {
+            const uint8_t *m = j->mask + (long)r * j->L;
+            int x = l0, y = l1;
+            while (x < y && !m[x]) x++;
+            while (y > x && !m[y - 1]) y--;
+            if (x < y) {
+                va = x < va ? x : va;
+                ve = y > ve ? y : ve;
+            }
+        }
+        if (va >= ve) {
+            for (int qi = 0; qi < nq; qi++) pm[qi] = -INFINITY, ps[qi] = 0.f;
+            return;
+        }
+        for (int qi = 0; qi < nq; qi++) {
+            float *p = S + (long)qi * AT_BLOCK;
+            for (int l = l0; l < va; l++) p[l - l0] = -INFINITY;
+            for (int l = ve; l < l1; l++) p[l - l0] = -INFINITY;
+        }
+    }
     /* scores in tiles of AT_QB queries x AT_KB keys (each query and key row loaded once per tile); each
      * dot in 16 lanes (lane u: dims i = u mod 16 ascending, fused multiply-add), then at_reduce16 */
     for (int q0 = 0; q0 < nq; q0 += AT_QB) {
         const float *qs[AT_QB];
         for (int a = 0; a < AT_QB; a++) qs[a] = at_query(j, kvh, q0 + a < nq ? q0 + a : nq - 1);
-        for (int k0 = l0; k0 < l1; k0 += AT_KB) {
+        for (int k0 = va; k0 < ve; k0 += AT_KB) {
             const float *ks[AT_KB];
-            for (int c = 0; c < AT_KB; c++) ks[c] = kb + (long)(k0 + c < l1 ? k0 + c : l1 - 1) * ldk;
+            for (int c = 0; c < AT_KB; c++) ks[c] = kb + (long)(k0 + c < ve ? k0 + c : ve - 1) * ldk;
             float acc[AT_QB][AT_KB][AT_LANES];
             for (int a = 0; a < AT_QB; a++)
                 for (int c = 0; c < AT_KB; c++)
@@ -129,7 +156,7 @@ static void at_block_task(void *ctx, int task) {
                         for (int u = 0; u < AT_LANES; u++) acc[a][c][u] = fmaf(qs[a][i + u], ks[c][i + u], acc[a][c][u]);
             for (int a = 0; a < AT_QB && q0 + a < nq; a++) {
                 const int r = (q0 + a) / j->g;
-                for (int c = 0; c < AT_KB && k0 + c < l1; c++) {
+                for (int c = 0; c < AT_KB && k0 + c < ve; c++) {
                     float s = at_reduce16(acc[a][c]) * j->scale;
                     if (j->softcap > 0.f) s = tanhf(s / j->softcap) * j->softcap;
                     if (j->mask && !j->mask[(long)r * j->L + k0 + c]) s = -INFINITY;
@@ -166,10 +193,10 @@ static void at_block_task(void *ctx, int task) {
      * keys (l ascending, fused multiply-add; a hidden key's p = 0 adds exactly 0) */
     for (int q0 = 0; q0 < nq; q0 += AT_QB) {
         const float *ws[AT_QB];
-        for (int a = 0; a < AT_QB; a++) ws[a] = S + (long)(q0 + a < nq ? q0 + a : nq - 1) * AT_BLOCK;
+        for (int u = 0; u < AT_QB; u++) ws[u] = S + (long)(q0 + u < nq ? q0 + u : nq - 1) * AT_BLOCK + (va - l0);
         int i0 = 0;
-        for (; i0 + AT_DT <= d; i0 += AT_DT) at_pv_tile(ws, vb + i0, ldk, n, l0, AT_DT, O + (long)q0 * d + i0, d, nq - q0);
-        if (i0 < d) at_pv_tile(ws, vb + i0, ldk, n, l0, AT_LANES, O + (long)q0 * d + i0, d, nq - q0); /* d % 32 == 16 */
+        for (; i0 + AT_DT <= d; i0 += AT_DT) at_pv_tile(ws, vb + i0, ldk, ve - va, va, AT_DT, O + (long)q0 * d + i0, d, nq - q0);
+        if (i0 < d) at_pv_tile(ws, vb + i0, ldk, ve - va, va, AT_LANES, O + (long)q0 * d + i0, d, nq - q0); /* d % 32 == 16 */
     }
 }
 

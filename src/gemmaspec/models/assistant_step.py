@@ -89,7 +89,7 @@ def run_step(assistant, x_embed: torch.Tensor, h: torch.Tensor, kv: dict, rope: 
     lib = kernels.load_library()
     if lib is None or not hasattr(lib, "gs_assistant_step"):
         return None
-    q8 = kernels.act_quant() == "q8_0"
+    q8 = kernels.draft_act_quant() == "q8_0"
     static = _static(assistant, lib, q8)
     if static is None:
         return None
@@ -152,7 +152,7 @@ def run_steps(assistant, x_embed: torch.Tensor, h: torch.Tensor, kvs: list, rope
     lib = kernels.load_library()
     if lib is None or not hasattr(lib, "gs_assistant_steps") or not 1 <= n <= 16 or len(kvs) != n:
         return None
-    q8 = kernels.act_quant() == "q8_0"
+    q8 = kernels.draft_act_quant() == "q8_0"
     static = _static(assistant, lib, q8)
     if static is None or static[3] is None:
         return None
