@@ -177,3 +177,67 @@ def test_nan_logits_raise_instead_of_token_zero(params, where):
     with pytest.raises(NonFiniteLogitsError, match="NaN"):  # row 0's draft accepted, row 1 is NaN
         verify_round(logits, [1, 2], [first, 3], None, params, Sampler(params), pos=4)
     assert isinstance(Sampler(params).sample(logits[0], [1, 2], pos=4), int)  # a finite row still works
+
+
+def _full_sort_filter(logits, top_p, temperature, mask=None):
+    """The filter as a full stable sort of the vocabulary computes it (the reference for the head-only
+    sorts of :func:`filtered_probs`)."""
+    if mask is not None:
+        logits = logits.masked_fill(~mask, -math.inf)
+    log_z = torch.logsumexp(logits.double(), 0)
+    vals, ids = torch.sort(logits, descending=True, stable=True)
+    p = torch.exp(vals.double() - log_z)
+    keep = p.shape[0]
+    if top_p < 1:
+        cum = torch.cumsum(p, 0)
+        keep = min(keep, int(torch.searchsorted(cum, torch.tensor([top_p], dtype=torch.float64))) + 1)
+    keep = max(1, min(keep, int(torch.isfinite(vals).sum())))
+    return ids[:keep], torch.softmax(vals[:keep].double() / temperature, -1)
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0])  # flat, typical, peaked logits
+@pytest.mark.parametrize("top_p", [0.0, 0.5, 0.9, 0.95, 0.999999])
+def test_top_p_over_a_full_vocabulary_equals_a_full_sort(spread, top_p):
+    """Top-p without top-k sorts only the head of a 262,144-token vocabulary (widened until it holds
+    top-p of the mass); its ids and probabilities are a full stable sort's, bit for bit, with ties,
+    a grammar mask and a temperature."""
+    g = torch.Generator().manual_seed(int(spread * 10) + int(top_p * 100))
+    logits = (torch.randn(262144, generator=g) * spread).round(decimals=1)  # rounding makes ties
+    mask = torch.rand(262144, generator=g) > 0.1
+    for m in (None, mask):
+        params = SamplingParams(temperature=0.8, top_k=0, top_p=top_p, min_p=0)
+        ids, probs = filtered_probs(logits, params, mask=m)
+        want_ids, want_probs = _full_sort_filter(logits, top_p, 0.8, m)
+        assert torch.equal(ids, want_ids) and torch.equal(probs, want_probs)
+
+
+def test_no_filter_keeps_every_possible_token_with_its_probability():
+    """With no filter that cuts, every token the mask allows comes back once, the head (within 8 of
+    the best logit) sorted first, with softmax(logits / T) as its probability."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(262144, generator=g) * 4
+    mask = torch.rand(262144, generator=g) > 0.3
+    params = SamplingParams(temperature=0.7, top_k=0, top_p=1, min_p=0)
+    ids, probs = filtered_probs(logits, params, mask=mask)
+    assert sorted(ids.tolist()) == torch.nonzero(mask).view(-1).tolist()
+    want = torch.softmax(logits.masked_fill(~mask, -math.inf).double() / 0.7, -1)[ids]
+    torch.testing.assert_close(probs, want, rtol=1e-12, atol=1e-300)
+    head = int((logits.masked_fill(~mask, -math.inf) >= logits[mask].max() - 8).sum())
+    assert torch.equal(probs[:head], torch.sort(probs[:head], descending=True).values)
+
+
+def test_draws_follow_a_distribution_with_a_long_tail():
+    """Inverse-CDF draws over the head-sorted order (3,000 tokens 8.5 below the best, 29% of the mass,
+    in id order after the head) still follow softmax(logits)."""
+    from scipy.stats import chisquare
+
+    logits = torch.cat([torch.full((1500,), -6.5), torch.tensor([2.0, 1.0, 0.0]), torch.full((1500,), -6.5)])
+    s = Sampler(SamplingParams(temperature=1, top_k=0, top_p=1, min_p=0, seed=7))
+    n = 20000
+    draws = torch.tensor([s.sample(logits) for _ in range(n)])
+    counts = [int((draws == t).sum()) for t in (1500, 1501, 1502)]
+    counts.append(n - sum(counts))
+    p = torch.softmax(logits.double(), -1)
+    expected = [float(p[t]) * n for t in (1500, 1501, 1502)]
+    expected.append(n - sum(expected))
+    assert chisquare(counts, expected).pvalue > 1e-3

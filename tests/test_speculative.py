@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from gemmaspec.engine import Engine, RequestStats
 from gemmaspec.errors import InputError
@@ -290,3 +291,26 @@ def test_verdict_says_recovered_or_bonus():
     assert verify_sampling(lambda i: (IDS, P), [2, 1], None, always, draw).kind == "bonus"
     v = verify_sampling(lambda i: (IDS, P), [2, 1], None, never, draw)
     assert (v.n_accepted, v.kind) == (0, "recovered") and v.next_token != 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True),
+       st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True), st.integers(0, 2**31 - 1))
+def test_residual_aligns_q_onto_p_by_token(p_ids, q_ids, seed):
+    """norm(max(p - q, 0)) over p's support, q looked up by token id (ids in any order, q's tokens
+    outside p's support ignored): the element-wise definition, written out here."""
+    from gemmaspec.speculative.verify import residual
+
+    g = torch.Generator().manual_seed(seed)
+    pp = torch.rand(len(p_ids), generator=g, dtype=torch.float64)
+    qp = torch.rand(len(q_ids), generator=g, dtype=torch.float64)
+    p = (torch.tensor(p_ids), pp / pp.sum())
+    q = (torch.tensor(q_ids), qp / qp.sum())
+    qd = dict(zip(q_ids, q[1].tolist()))
+    r = torch.tensor([max(a - qd.get(t, 0.0), 0.0) for t, a in zip(p_ids, p[1].tolist())], dtype=torch.float64)
+    ids, probs = residual(p, q)
+    assert torch.equal(ids, p[0])
+    if float(r.sum()) > 0:
+        torch.testing.assert_close(probs, r / r.sum(), rtol=1e-12, atol=1e-15)
+    else:
+        assert torch.equal(probs, p[1])

@@ -451,10 +451,13 @@ class RequestState:
             return None
         if self.options.post_sampling:  # the distribution the token was drawn from (history: the ids before it)
             ids, probs = filtered_probs(logits, self.params, history)
-            ids, probs = ids.tolist(), probs.tolist()
-            at = dict(zip(ids, probs))
-            top = [(i, p) for i, p in zip(ids[:k], probs[:k]) if p > 0]
-            return [TokenLogprob(t, at.get(t, 0.0), top, probs=True) for t in tokens]
+            best = torch.topk(probs, min(k, probs.shape[0])).indices  # (only the head is sorted when nothing cuts)
+            top = [(int(ids[i]), float(probs[i])) for i in best.tolist() if float(probs[i]) > 0]
+            def prob(t):  # 0 for a token the filters removed
+                hit = (ids == t).nonzero()
+                return float(probs[hit[0, 0]]) if hit.numel() else 0.0
+
+            return [TokenLogprob(t, prob(t), top, probs=True) for t in tokens]
         lp = torch.log_softmax(logits.float(), -1)
         top = []
         if k > 0:

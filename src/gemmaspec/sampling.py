@@ -202,6 +202,14 @@ def apply_repeat_penalty(logits: torch.Tensor, history, params: SamplingParams) 
     return logits
 
 
+def _sorted_above(logits: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits >= threshold and their ids, largest first, equal logits by ascending id (a stable
+    sort of the ids in ascending order): the first entries of a stable full sort, bit for bit."""
+    pool = torch.nonzero(logits >= threshold).view(-1)
+    vals, order = torch.sort(logits[pool], descending=True, stable=True)
+    return vals, pool[order]
+
+
 def filtered_probs(logits: torch.Tensor, params: SamplingParams, history=(),
                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampling distribution at one position, restricted to the tokens it can produce.
@@ -214,8 +222,11 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, history=(),
             llama.cpp's grammar sampler), so no filter can bring them back.
 
     Returns:
-        ``(ids, probs)``: int64 [n] candidate ids (most likely first) and float64 [n] probabilities
-        summing to 1. Greedy gives one id with probability 1.
+        ``(ids, probs)``: int64 [n] candidate ids and float64 [n] probabilities summing to 1, the most
+        likely first (ties by id) over every token a filter kept. With no filter that cuts (top-k off,
+        top-p 1, min-p 0) every token is kept, and only the head (the logits within 8 of the best, the
+        bulk of the mass) is sorted; the rest follow in id order, so no full-vocabulary sort is paid
+        per sampled token. Greedy gives one id with probability 1.
     """
     if params.greedy and mask is None:
         return torch.tensor([greedy_token(logits, params, history)]), torch.ones(1, dtype=torch.float64)
@@ -230,12 +241,23 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, history=(),
         log_z = torch.logsumexp(vals.double(), 0)
     else:
         log_z = torch.logsumexp(logits.double(), 0)
+        _nan_check(float(log_z), "at a sampled position")
+        top = float(logits.max())
         if params.min_p > 0:  # min-p keeps only logits >= max + log(min_p): sort just those
-            pool = torch.nonzero(logits >= logits.max() + math.log(params.min_p)).view(-1)
-            vals, order = torch.sort(logits[pool], descending=True)
-            ids = pool[order]
-        else:
-            vals, ids = torch.sort(logits, descending=True)
+            vals, ids = _sorted_above(logits, top + math.log(params.min_p))
+        elif params.top_p < 1:
+            # top-p keeps a prefix of the sorted tokens: sort the head only, widened until its mass
+            # reaches top-p (cumsum is sequential, so the head's sums are the full sort's first sums
+            # and the cut is the one a full sort would give); below max - 32 the rest holds < 3e-9
+            for width in (8.0, 16.0, 32.0, math.inf):
+                vals, ids = _sorted_above(logits, top - width)
+                cum = torch.cumsum(torch.exp(vals.double() - log_z), 0)
+                if float(cum[-1]) >= params.top_p:
+                    break
+        else:  # nothing cuts: the sorted head, then every other possible token in id order
+            vals, ids = _sorted_above(logits, top - 8.0)
+            rest = torch.nonzero((logits < top - 8.0) & (logits > -math.inf)).view(-1)
+            vals, ids = torch.cat([vals, logits[rest]]), torch.cat([ids, rest])
     _nan_check(float(log_z), "at a sampled position")  # a NaN anywhere makes the normaliser NaN
     # top-p and min-p act on the temperature-1 distribution over the top-k survivors
     p = torch.exp(vals.double() - log_z)

@@ -61,12 +61,15 @@ def residual(p_dist, q_dist):
     p_ids, p_probs = p_dist
     q_ids, q_probs = q_dist
     q_on_p = torch.zeros_like(p_probs)
-    # align q onto p's support (tokens outside p's support have p = 0, so they never come back)
-    pos = {int(t): i for i, t in enumerate(p_ids.tolist())}
-    for t, qp in zip(q_ids.tolist(), q_probs.tolist()):
-        i = pos.get(int(t))
-        if i is not None:
-            q_on_p[i] = qp
+    # align q onto p's support (tokens outside p's support have p = 0, so they never come back):
+    # where[t] = t's index in p_ids, -1 where p has no t
+    size = int(max(int(p_ids.max()), int(q_ids.max()))) + 1 if p_ids.numel() and q_ids.numel() else 0
+    if size:
+        where = torch.full((size,), -1, dtype=torch.int64)
+        where[p_ids] = torch.arange(p_ids.shape[0])
+        at = where[q_ids]
+        hit = at >= 0
+        q_on_p[at[hit]] = q_probs[hit].to(q_on_p.dtype)
     r = torch.clamp(p_probs - q_on_p, min=0.0)
     total = float(r.sum())
     if total <= 0.0:  # p == q: rejection had probability 0; fall back to p
