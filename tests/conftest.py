@@ -62,12 +62,30 @@ def tokenizer(engine):
 
 @pytest.fixture(scope="session")
 def reference(model_path):
-    """transformers' Gemma3ForCausalLM and tokenizer loaded from the same GGUF, float32."""
+    """transformers' Gemma3ForCausalLM and tokenizer loaded from the same GGUF, float32.
+
+    transformers parses the file with ``gguf.GGUFReader`` three times (tokenizer, config, tensors),
+    ~18 s each for the 262,144-entry vocabulary's metadata; the reader is read-only, so the three loads
+    share one parse (the same reader and code path, parsed once)."""
+    from unittest import mock
+
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    parsed = {}
+    real = gguf.GGUFReader
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in parsed:
+            parsed[key] = real(path, *args, **kwargs)
+        return parsed[key]
+
     d, f = str(model_path.parent), model_path.name
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    with mock.patch.object(gguf, "GGUFReader", reader):
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    assert len(parsed) == 1  # the three loads shared one parse
     model.eval()
     return model, tok
 
