@@ -20,6 +20,9 @@
  * values (q: the signed level, Q4_0 nibble - 8), then acc = fma(float(p_b), d_b * da[m, b], acc) from
  * acc = 0; no lanes, no reduction. It differs from the stored formats' int8-activation order (qdot8.h:
  * 8 lanes of 4 values) by float rounding only: the same exact integers per block, summed in another order.
+ *
+ * With AVX-512 VNNI, Q4_0 and 2+ rows of x, two groups share each 512-bit register (x8_pair_q4_zmm):
+ * the same operations per lane in half the instructions per activation row.
  */
 
 #define FMT_Q4_0X8 6
@@ -160,6 +163,58 @@ static inline __attribute__((always_inline)) void x8_groups_avx(const int fmt, c
 }
 #endif
 
+#if defined(GS_AVX512) && defined(Q8_VNNI) && defined(__AVX512DQ__)
+#define X8_ZMM 1
+/* x8_groups_avx for Q4_0, G = 2, in 512-bit registers: group 0's 8 rows in the low 256 bits and group 1's
+ * in the high 256 bits of each level, scale and accumulator register, so one VNNI dot product, one
+ * conversion and one fused multiply-add serve 16 weight rows for an activation row (half the
+ * instructions per activation row of the 256-bit pair). Every lane's operations are those of the
+ * 256-bit code: the same exact integer block sums (integer addition in any order), then one
+ * fma(float(p_b), d_b * da[m, b], acc) per block, so the bits are the same. */
+static inline __attribute__((always_inline)) void x8_pair_q4_zmm(const uint8_t *wg, long gstride, int K,
+                                                                 const int8_t *aq, const float *da,
+                                                                 const int32_t *as, const int M, float *res) {
+    const int nb = K / 32;
+    const long xb = x8_block(FMT_Q4_0X8);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[Q8_ROWS];
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *b0 = wg + (long)b * xb, *b1 = b0 + gstride;
+        for (int l = 0; l < (int)xb; l += 64) {
+            __builtin_prefetch(b0 + X8_PF + l);
+            __builtin_prefetch(b1 + X8_PF + l);
+        }
+        const __m512 sc = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)b1),
+                                                           _mm_loadu_si128((const __m128i *)b0)));
+        __m512i lv[8];
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 16 + 32 * c))),
+                _mm256_loadu_si256((const __m256i *)(b1 + 16 + 32 * c)), 1);
+            lv[c] = _mm512_and_si512(v, m4);
+            lv[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+        for (int m = 0; m < M; m++) {
+            const int8_t *a = aq + (long)m * K + 32 * b;
+            int32_t aw[8];
+            memcpy(aw, a, 32);
+            __m512i p = _mm512_set1_epi32(-8 * as[(long)m * nb + b]), p2 = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c += 2) {
+                p = _mm512_dpbusd_epi32(p, lv[c], _mm512_set1_epi32(aw[c]));
+                p2 = _mm512_dpbusd_epi32(p2, lv[c + 1], _mm512_set1_epi32(aw[c + 1]));
+            }
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(p, p2)),
+                                     _mm512_mul_ps(sc, _mm512_set1_ps(da[(long)m * nb + b])), acc[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) { /* res[(g * M + m) * 8 + r], as x8_groups_avx */
+        _mm256_storeu_ps(res + 8 * m, _mm512_castps512_ps256(acc[m]));
+        _mm256_storeu_ps(res + 8 * (M + m), _mm512_extractf32x8_ps(acc[m], 1));
+    }
+}
+#endif
+
 /* res[m * 8 + r] for the 8 rows of group wg (format fmt, a compile-time constant) and M <= Q8_ROWS rows
  * of int8 activations; as: their block sums sum_j aq_j [M, nb] (x8_tile computes them once per tile),
  * which the unsigned-level dot products correct by. */
@@ -268,6 +323,15 @@ static inline __attribute__((always_inline)) void x8_tile(const int fmt, const g
             const long gs = (long)nb * x8_block(fmt);
             const uint8_t *wg = (const uint8_t *)sg->w + (long)(n >> 3) * gs;
             float res[2 * Q8_ROWS * 8];
+#if defined(X8_ZMM)
+            if (fmt == FMT_Q4_0X8) {
+                switch (mm) {
+                    case 2: x8_pair_q4_zmm(wg, gs, K, a, d, as, 2, res); break;
+                    case 3: x8_pair_q4_zmm(wg, gs, K, a, d, as, 3, res); break;
+                    default: x8_pair_q4_zmm(wg, gs, K, a, d, as, 4, res); break;
+                }
+            } else
+#endif
             switch (mm) {
                 case 2: x8_groups_avx(fmt, 2, wg, gs, K, a, d, as, 2, res); break;
                 case 3: x8_groups_avx(fmt, 2, wg, gs, K, a, d, as, 3, res); break;
