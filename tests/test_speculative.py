@@ -233,7 +233,7 @@ def _first_token_counts(n, one_hot):
 def test_rejection_sampling_preserves_target_distribution(one_hot):
     from scipy.stats import chisquare
 
-    n = 100_000
+    n = 30_000  # finds (p < 1e-3) a shift of ~1.3 points of probability in one category
     counts = _first_token_counts(n, one_hot)
     res = chisquare(counts, (P * n).numpy())
     assert res.pvalue > 1e-3, (counts, res.pvalue)
