@@ -18,10 +18,13 @@ SIMD = [isa for isa in ("avx512", "avx2") if kernels.cpu_supports(isa)]
 
 @pytest.fixture(scope="module")
 def libs():
-    ref = kernels.matmul_library("portable")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=4) as pool:  # each build is a compiler process: build them side by side
+        ref, *simd = pool.map(kernels.matmul_library, ["portable", *SIMD])
     if ref is None:
         pytest.skip("no C compiler: kernels fall back to torch")
-    built = {isa: kernels.matmul_library(isa) for isa in SIMD}
+    built = dict(zip(SIMD, simd))
     for isa, lib in built.items():
         assert lib.gs_isa().decode() == isa  # the switch really built that path
     assert ref.gs_isa().decode() == "portable"
