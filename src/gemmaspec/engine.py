@@ -453,6 +453,7 @@ class RequestState:
             ids, probs = filtered_probs(logits, self.params, history)
             best = torch.topk(probs, min(k, probs.shape[0])).indices  # (only the head is sorted when nothing cuts)
             top = [(int(ids[i]), float(probs[i])) for i in best.tolist() if float(probs[i]) > 0]
+
             def prob(t):  # 0 for a token the filters removed
                 hit = (ids == t).nonzero()
                 return float(probs[hit[0, 0]]) if hit.numel() else 0.0

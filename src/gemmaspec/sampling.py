@@ -239,9 +239,10 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, history=(),
     if 0 < params.top_k < v:
         vals, ids = torch.topk(logits, params.top_k)  # sorted, most likely first
         log_z = torch.logsumexp(vals.double(), 0)
+        _nan_check(float(log_z), "at a sampled position")  # a NaN anywhere makes the normaliser NaN
     else:
         log_z = torch.logsumexp(logits.double(), 0)
-        _nan_check(float(log_z), "at a sampled position")
+        _nan_check(float(log_z), "at a sampled position")  # before the max below is used as a threshold
         top = float(logits.max())
         if params.min_p > 0:  # min-p keeps only logits >= max + log(min_p): sort just those
             vals, ids = _sorted_above(logits, top + math.log(params.min_p))
@@ -258,7 +259,6 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, history=(),
             vals, ids = _sorted_above(logits, top - 8.0)
             rest = torch.nonzero((logits < top - 8.0) & (logits > -math.inf)).view(-1)
             vals, ids = torch.cat([vals, logits[rest]]), torch.cat([ids, rest])
-    _nan_check(float(log_z), "at a sampled position")  # a NaN anywhere makes the normaliser NaN
     # top-p and min-p act on the temperature-1 distribution over the top-k survivors
     p = torch.exp(vals.double() - log_z)
     keep = p.shape[0]

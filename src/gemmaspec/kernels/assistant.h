@@ -28,8 +28,8 @@ static inline void prod1(const gs_prod *p, int K, const float *x, float *y, int 
  * of the highest score (what argmax over the target-vocabulary logits gives); *p_best (when not NULL)
  * its probability under the softmax over the n_head rows, 1 / sum exp(score - best score): the exps
  * by gs_expf (about 1 ulp), summed in double in 16 lanes (lane i % 16, i ascending; AT_BLOCK is a
- * multiple of 16) and a fixed tree,
- * so the value is the same on every instruction set and the loop vectorizes. */
+ * multiple of 16) and a fixed tree, so the value is the same on every instruction set and the loops
+ * vectorize. */
 static void head_pick(const float *scores, int n_head, const int64_t *token_map, int64_t *best, float *p_best) {
     float ml[AT_LANES]; /* the highest score: a max in 16 lanes (vectorizes), then the rows holding it */
     for (int u = 0; u < AT_LANES; u++) ml[u] = scores[0];

@@ -121,14 +121,21 @@ def act_quant() -> str:
     return "q8_0" if _act_q8 else "none"
 
 
-_draft_auto_q8 = os.environ.get("GEMMASPEC_DRAFT_ACT_QUANT", "q8_0").strip().lower() != "none"
+def _env_draft_act_quant() -> bool:
+    mode = os.environ.get("GEMMASPEC_DRAFT_ACT_QUANT", "q8_0").strip().lower() or "q8_0"
+    if mode not in ("none", "q8_0"):
+        log.warning("gemmaspec: GEMMASPEC_DRAFT_ACT_QUANT=%s is not none or q8_0; using q8_0", mode)
+    return mode != "none"
+
+
+_draft_auto_q8 = _env_draft_act_quant()  # under auto: the assistant's draft step with int8 activations
 
 
 def draft_act_quant() -> str:
     """The activation mode of an MTP assistant's C draft step (``assistant_step``): under ``"auto"``
     int8 (``q8_0``) whatever the target's mode, because the assistant's few MiB of weights sit in
-    cache and its products are bound by arithmetic, not by memory (one draft row took 0.39 ms with
-    fp32 activations and 0.20 ms with int8 on a Zen 4 core pair; 8 rows batched 2.4 ms and 1.1 ms); an
+    cache and its products are bound by arithmetic, not by memory (``benchmarks/draft_batch.py``; the
+    figures are in docs/server.md, "Batched MTP drafting"); an
     explicit ``none`` or ``q8_0`` (``--act-quant``) applies to it too, so the C step then matches the
     per-op path bit for bit. ``GEMMASPEC_DRAFT_ACT_QUANT=none`` keeps fp32 drafting under ``auto``.
     Drafts never change output (every draft is verified), only how many are accepted."""

@@ -63,7 +63,7 @@ def residual(p_dist, q_dist):
     q_on_p = torch.zeros_like(p_probs)
     # align q onto p's support (tokens outside p's support have p = 0, so they never come back):
     # where[t] = t's index in p_ids, -1 where p has no t
-    size = int(max(int(p_ids.max()), int(q_ids.max()))) + 1 if p_ids.numel() and q_ids.numel() else 0
+    size = max(int(p_ids.max()), int(q_ids.max())) + 1 if p_ids.numel() and q_ids.numel() else 0
     if size:
         where = torch.full((size,), -1, dtype=torch.int64)
         where[p_ids] = torch.arange(p_ids.shape[0])
