@@ -103,6 +103,69 @@ static inline __attribute__((always_inline)) void at_pv_tile(const float *const 
     for (int a = 0; a < AT_QB && a < nvalid; a++) memcpy(out + (long)a * ldo, acc[a], sizeof(float) * W);
 }
 
+/* sums[a][c] = at_reduce16 of the 16 lanes of query a's and key c's dot product, lane u = sum over dims
+ * i = u (mod 16), ascending, of fmaf(qs[a][i], ks[c][i], .) from 0. Written with intrinsics where the
+ * compiler left the plain loops scalar (GCC 12-14 do not vectorize the three nested constant loops: one
+ * scalar fused multiply-add per value, and a scalar tree per sum). A vector fused multiply-add rounds each
+ * lane once as fmaf does; with AVX-512 the 16 sums' trees run side by side (each fold adds the same pairs
+ * as at_reduce16: lanes j and j + 8, then j + 4, j + 2, j + 1), so the bits are the same everywhere. */
+static inline __attribute__((always_inline)) void at_scores(const float *const qs[AT_QB], const float *const ks[AT_KB],
+                                                            int d, float sums[AT_QB][AT_KB]) {
+#if defined(GS_AVX512) && AT_QB == 4 && AT_KB == 4
+    __m512 v[AT_QB * AT_KB];
+    for (int n = 0; n < AT_QB * AT_KB; n++) v[n] = _mm512_setzero_ps();
+    for (int i = 0; i < d; i += AT_LANES) {
+        __m512 kv[AT_KB];
+        for (int c = 0; c < AT_KB; c++) kv[c] = _mm512_loadu_ps(ks[c] + i);
+        for (int a = 0; a < AT_QB; a++) {
+            const __m512 qv = _mm512_loadu_ps(qs[a] + i);
+            for (int c = 0; c < AT_KB; c++) v[a * AT_KB + c] = _mm512_fmadd_ps(qv, kv[c], v[a * AT_KB + c]);
+        }
+    }
+    __m512 t[8], u[4], w[2];
+    for (int p = 0; p < 8; p++) /* lanes j + j+8: [v(2p) b0..b7 | v(2p+1) b0..b7] */
+        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+    for (int p = 0; p < 4; p++) /* j + j+4: 128-bit chunk k holds v(4p + k)'s c0..c3 */
+        u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; p++) /* j + j+2, within each chunk: [d0, d1] of two vectors */
+        w[p] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * p], u[2 * p + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * p], u[2 * p + 1], 0xEE));
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    float o[16]; /* lane 4k + e: the sum of v(4e + k), i.e. query e, key k */
+    _mm512_storeu_ps(o, x);
+    for (int a = 0; a < AT_QB; a++)
+        for (int c = 0; c < AT_KB; c++) sums[a][c] = o[4 * c + a];
+#else
+    float acc[AT_QB][AT_KB][AT_LANES];
+#if defined(GS_AVX2) || defined(GS_AVX512)
+    __m256 v[AT_QB][AT_KB][2];
+    for (int a = 0; a < AT_QB; a++)
+        for (int c = 0; c < AT_KB; c++) v[a][c][0] = v[a][c][1] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += AT_LANES)
+        for (int a = 0; a < AT_QB; a++)
+            for (int c = 0; c < AT_KB; c++)
+                for (int h = 0; h < 2; h++)
+                    v[a][c][h] = _mm256_fmadd_ps(_mm256_loadu_ps(qs[a] + i + 8 * h), _mm256_loadu_ps(ks[c] + i + 8 * h),
+                                                 v[a][c][h]);
+    for (int a = 0; a < AT_QB; a++)
+        for (int c = 0; c < AT_KB; c++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(acc[a][c] + 8 * h, v[a][c][h]);
+#else
+    for (int a = 0; a < AT_QB; a++)
+        for (int c = 0; c < AT_KB; c++)
+            for (int u = 0; u < AT_LANES; u++) acc[a][c][u] = 0.f;
+    for (int i = 0; i < d; i += AT_LANES)
+        for (int a = 0; a < AT_QB; a++)
+            for (int c = 0; c < AT_KB; c++)
+                for (int u = 0; u < AT_LANES; u++) acc[a][c][u] = fmaf(qs[a][i + u], ks[c][i + u], acc[a][c][u]);
+#endif
+    for (int a = 0; a < AT_QB; a++)
+        for (int c = 0; c < AT_KB; c++) sums[a][c] = at_reduce16(acc[a][c]);
+#endif
+}
+
 static void at_block_task(void *ctx, int task) {
     const at_job *j = (const at_job *)ctx;
     const int kvh = task / j->nblk, b = task % j->nblk, d = j->d, nq = j->nq;
@@ -146,18 +209,12 @@ static void at_block_task(void *ctx, int task) {
         for (int k0 = va; k0 < ve; k0 += AT_KB) {
             const float *ks[AT_KB];
             for (int c = 0; c < AT_KB; c++) ks[c] = kb + (long)(k0 + c < ve ? k0 + c : ve - 1) * ldk;
-            float acc[AT_QB][AT_KB][AT_LANES];
-            for (int a = 0; a < AT_QB; a++)
-                for (int c = 0; c < AT_KB; c++)
-                    for (int u = 0; u < AT_LANES; u++) acc[a][c][u] = 0.f;
-            for (int i = 0; i < d; i += AT_LANES)
-                for (int a = 0; a < AT_QB; a++)
-                    for (int c = 0; c < AT_KB; c++)
-                        for (int u = 0; u < AT_LANES; u++) acc[a][c][u] = fmaf(qs[a][i + u], ks[c][i + u], acc[a][c][u]);
+            float sums[AT_QB][AT_KB];
+            at_scores(qs, ks, d, sums);
             for (int a = 0; a < AT_QB && q0 + a < nq; a++) {
                 const int r = (q0 + a) / j->g;
                 for (int c = 0; c < AT_KB && k0 + c < ve; c++) {
-                    float s = at_reduce16(acc[a][c]) * j->scale;
+                    float s = sums[a][c] * j->scale;
                     if (j->softcap > 0.f) s = tanhf(s / j->softcap) * j->softcap;
                     if (j->mask && !j->mask[(long)r * j->L + k0 + c]) s = -INFINITY;
                     S[(long)(q0 + a) * AT_BLOCK + (k0 + c - l0)] = s;
