@@ -19,12 +19,16 @@ def _prefilled(engine, prompt):
     return cache
 
 
-@pytest.mark.parametrize("rows", [[1, 1], [4, 1, 3, 4], [4, 4, 4, 4], [1, 2, 3, 4, 5, 6]])
+@pytest.mark.parametrize("rows", [[1, 1], [4, 1, 3, 4], [4, 4, 4, 4], [1, 2, 3, 4, 5, 6], [20, 1], [3, 40, 2, 17],
+                                  [-20, 1, -17]])
 def test_forward_batch_rows_equal_solo_forward(engine, rows):
-    """Up to 6 sequences × up to 6 rows (36 rows, past the kernel's 16-row dispatch limit)."""
+    """Up to 6 sequences × up to 6 rows (36 rows, past the kernel's 16-row dispatch limit), and prefill
+    chunks of more than 16 rows beside decode rows (their solo forward takes the many-row products); a
+    negative count: that many rows with the last row's logits only."""
     gen = torch.Generator().manual_seed(len(rows))
-    toks = [torch.randint(0, 5000, (r,), generator=gen) for r in rows]
     flags = [r > 1 for r in rows]
+    rows = [abs(r) for r in rows]
+    toks = [torch.randint(0, 5000, (r,), generator=gen) for r in rows]
     solo_caches = [_prefilled(engine, p) for p in PROMPTS[:len(rows)]]
     batch_caches = [_prefilled(engine, p) for p in PROMPTS[:len(rows)]]
     solo = [engine.model.forward(t, c, all_logits=f) for t, c, f in zip(toks, solo_caches, flags)]

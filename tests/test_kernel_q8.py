@@ -161,6 +161,39 @@ def test_auto_picks_int8_activations_for_big_models_only():
         kernels.set_act_quant(before)
 
 
+def test_auto_gives_a_mid_sized_models_head_int8_activations_for_every_row_count(engine):
+    """Under ``auto`` the default model (235 MiB per step) keeps fp32 layers but its head multiplies int8
+    activations, for any number of rows: a logits row is the same from a 1-row decode, a verify and a
+    20-row prefill (so cached and fresh prompts agree), and differs from the fp32 product; an explicit
+    ``none`` still rules, and smaller or larger models are not marked."""
+    if kernels.load_library() is None:
+        pytest.skip("no C compiler")
+    from gemmaspec.kernels import build
+
+    head = engine.model.head
+    assert head.auto_q8  # marked at load (load_checkpoint)
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((20, head.shape[1])).astype(np.float32))
+    saved = build._act_mode, build._act_q8
+    try:
+        kernels.set_act_quant("auto")
+        build._act_q8 = False  # the layers' mode for this model size
+        many = head(x)  # more than SMALL_M rows
+        assert x.shape[0] > kernels.SMALL_M
+        for i in (0, 7, 19):
+            assert torch.equal(head(x[i:i + 1])[0], many[i])
+        assert torch.equal(head(x[3:6]), many[3:6])
+        kernels.set_act_quant("none")
+        assert not torch.equal(head(x[:2]), many[:2])
+        assert not kernels.auto_q8_head(235 << 20, kernels.Q4_0Weight(torch.zeros(8, 18, dtype=torch.uint8), 32))
+        kernels.set_act_quant("auto")
+        w = kernels.Q4_0Weight(torch.zeros(8, 18, dtype=torch.uint8), 32)
+        assert not kernels.auto_q8_head(kernels.AUTO_Q8_HEAD_BYTES - 1, w) and not w.auto_q8  # tiny models
+        assert not kernels.auto_q8_head(kernels.AUTO_Q8_BYTES, w)  # big ones: int8 everywhere already
+        assert kernels.auto_q8_head(235 << 20, w) and w.auto_q8
+    finally:
+        build._act_mode, build._act_q8 = saved
+
+
 def test_the_mode_changes_the_model_products_and_fp32_is_the_default(libs):
     if kernels.load_library() is None:
         pytest.skip("no C compiler")

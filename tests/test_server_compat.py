@@ -472,7 +472,7 @@ def test_ignore_eos_bans_end_of_generation_tokens(srv, tokenizer, path):
     assert texts == {want_text} and want_text
 
 
-@pytest.mark.parametrize("penalty", [{"frequency_penalty": 1.5}, {"presence_penalty": 0.3, "repeat_penalty": 1.05}])
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": 1.5}, {"presence_penalty": 0.5, "repeat_penalty": 1.1}])
 def test_penalties_change_the_output_and_drafting_does_not(srv, penalty):
     body = {"prompt": REPEAT, "max_tokens": 24, "ignore_eos": True}
     plain = _post(srv, "/v1/completions", body).json()

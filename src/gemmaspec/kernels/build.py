@@ -68,6 +68,7 @@ def ops_on_one_thread():
 
 ACT_QUANTS = ("auto", "none", "q8_0")  # activations of the kernel's products: by model size, fp32, int8 per 32 values
 AUTO_Q8_BYTES = 512 << 20  # "auto": int8 activations when a decode step's products read at least this much
+AUTO_Q8_HEAD_BYTES = 64 << 20  # "auto": below AUTO_Q8_BYTES, from this many, int8 activations in the head only
 
 
 def _env_act_quant() -> str:
@@ -91,7 +92,9 @@ def set_act_quant(mode: str) -> None:
     (``qdot8.h`` documents the arithmetic); ``"auto"`` (the default) picks per loaded target
     (:func:`resolve_act_quant`): q8_0 for models whose decode step reads at least ``AUTO_Q8_BYTES``
     of weights (Gemma 4 E2B and larger: there the fp32 products are compute-bound on a CPU, and
-    llama.cpp computes the same way), none below (Gemma 3 270M: memory-bound, fp32 costs nothing).
+    llama.cpp computes the same way), none below (Gemma 3 270M: memory-bound, fp32 costs nothing), but
+    from ``AUTO_Q8_HEAD_BYTES`` a model's output head alone multiplies int8 activations
+    (:func:`auto_q8_head`).
     Either mode is batch-invariant, so speculative decoding stays lossless within it. With q8_0 the
     many-row products of a prefill go through the same integer kernel; with none they stay PyTorch's
     float32 matmul. ``GEMMASPEC_ACT_QUANT`` sets the initial mode.
@@ -114,6 +117,24 @@ def resolve_act_quant(step_bytes: int) -> str:
     if _act_mode == "auto":
         _act_q8 = step_bytes >= AUTO_Q8_BYTES
     return act_quant()
+
+
+def auto_q8_head(step_bytes: int, head) -> bool:
+    """Under ``"auto"``, for a model whose decode step reads ``step_bytes`` bytes of weights from
+    ``AUTO_Q8_HEAD_BYTES`` up to ``AUTO_Q8_BYTES`` (Gemma 3 270M: 235 MiB, its head 170 MiB of them), mark
+    its output head (a ``CPUBlockWeight``) to multiply int8 activations (``head.auto_q8``) for any number
+    of rows, while its layers keep the process's mode. The head is the largest product per row there
+    (262,144 x 640: in fp32 an extra verify or batch row costs ~2.5 ms of a ~12 ms step on a 2-core Zen 4;
+    in int8 its rows share one pass over the weights, so 2-4 rows cost about what one does,
+    ``benchmarks/step_costs.py``), and as every row of it takes the same path the logits of a position
+    never depend on how it was computed (prefill, decode, verify, a batch of slots). Returns whether it
+    marked the head."""
+    if _act_mode != "auto" or not (AUTO_Q8_HEAD_BYTES <= step_bytes < AUTO_Q8_BYTES) or head is None:
+        return False
+    if not hasattr(head, "auto_q8"):
+        return False
+    head.auto_q8 = True
+    return True
 
 
 def act_quant() -> str:

@@ -38,6 +38,14 @@ class CPUBlockWeight(BlockWeight):
 
     shape: tuple[int, int]
     _dense: torch.Tensor | None = None
+    # int8 activations for this weight's products under ``--act-quant auto`` whatever the process's mode
+    # (build.set_act_quant); an explicit ``none`` or ``q8_0`` still rules. Set by
+    # :func:`~gemmaspec.kernels.build.auto_q8_weights` (a mid-sized model's head).
+    auto_q8: bool = False
+
+    def _q8(self) -> bool:
+        """Whether this weight's products multiply int8 activations now."""
+        return build._act_q8 or (self.auto_q8 and build._act_mode == "auto")
 
     def _segments(self) -> list[tuple]:  # [(fmt, w, s, o, G, N)]
         raise NotImplementedError
@@ -84,7 +92,7 @@ class CPUBlockWeight(BlockWeight):
             x2 = x.reshape(-1, k)
             if x2.dtype != torch.float32 or not x2.is_contiguous():
                 x2 = x2.float().contiguous()
-            m, q8 = x2.shape[0], build._act_q8
+            m, q8 = x2.shape[0], self._q8()
             if (m <= SMALL_M or q8) and args[q8] is not None:
                 y = torch.empty(m, n, dtype=torch.float32)
                 fns[q8](*args[q8], k, x2.data_ptr(), None, m, y.data_ptr(), threads())
@@ -100,7 +108,7 @@ class CPUBlockWeight(BlockWeight):
                 self._dense = self.dequantize()  # no kernel: keep the fp32 matrix
             return F.linear(x, self._dense)
         x2 = x.reshape(-1, k).float().contiguous()
-        if x2.shape[0] > SMALL_M and not build._act_q8:
+        if x2.shape[0] > SMALL_M and not self._q8():
             return self._tiled(lib, x2).view(*lead, n)
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
         self._small(lib, x2, y)
@@ -113,7 +121,7 @@ class CPUBlockWeight(BlockWeight):
         """y float32 [M, N] = x2 float32 [M, K] @ W.T in one call of the C kernel (M <= SMALL_M, or any M
         with int8 activations)."""
         m, k = x2.shape
-        q8 = build._act_q8
+        q8 = self._q8()
         cached = self.kernel_args(lib, q8)
         # the kernel computes the block sums of x that offsets (Q4_K) need itself (xsum NULL)
         fn = lib.gs_qmatmul_multi_q8 if q8 else lib.gs_qmatmul_multi

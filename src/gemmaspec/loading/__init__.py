@@ -55,8 +55,25 @@ def load_checkpoint(path: str | os.PathLike | None, device: torch.device | str =
     else:
         from .. import kernels
 
+        if loaded.arch.role == "target":  # a mid-sized model's head multiplies int8 activations under auto
+            kernels.auto_q8_head(step_bytes(loaded.model), getattr(loaded.model, "head", None))
         kernels.regroup_in_background(product_weights(loaded.model))
     return loaded
+
+
+def step_bytes(model) -> int:
+    """Bytes of weights one decode step of ``model`` reads: every entry of ``model.weights`` (its
+    memory held, ``nbytes``) except the token-embedding tables a token only looks up a row of
+    (``token_embd`` unless it is also the head, Gemma 4's ``per_layer_token_embd``). What
+    :func:`~gemmaspec.kernels.resolve_act_quant` and :func:`~gemmaspec.kernels.auto_q8_head` decide
+    ``--act-quant auto`` by."""
+    head = getattr(model, "head", None)
+    total = 0
+    for name, t in getattr(model, "weights", {}).items():
+        if name.endswith("token_embd.weight") and t is not head:
+            continue
+        total += int(getattr(t, "nbytes", 0))
+    return total
 
 
 def product_weights(model) -> list:

@@ -14,7 +14,7 @@ import torch
 from ..engine import Engine
 from ..errors import InputError
 from ..kernels import load_library, resolve_act_quant
-from . import load_checkpoint
+from . import load_checkpoint, step_bytes
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -51,20 +51,6 @@ def set_threads(threads: int | None) -> None:
     if threads is not None and threads < 1:
         raise InputError(f"threads must be >= 1 (got {threads})")
     torch.set_num_threads(threads if threads is not None else physical_cores())
-
-
-def step_bytes(model) -> int:
-    """Bytes of weights one decode step of ``model`` reads: every entry of ``model.weights`` (its
-    memory held, ``nbytes``) except the token-embedding tables a token only looks up a row of
-    (``token_embd`` unless it is also the head, Gemma 4's ``per_layer_token_embd``). What
-    :func:`~gemmaspec.kernels.resolve_act_quant` decides ``--act-quant auto`` by."""
-    head = getattr(model, "head", None)
-    total = 0
-    for name, t in getattr(model, "weights", {}).items():
-        if name.endswith("token_embd.weight") and t is not head:
-            continue
-        total += int(getattr(t, "nbytes", 0))
-    return total
 
 
 def load_engine(path=None, ctx_size: int | None = None, device: str = "auto", threads: int | None = None) -> Engine:

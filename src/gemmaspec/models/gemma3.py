@@ -11,6 +11,7 @@ llama.cpp converter has already added Gemma's +1.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import gguf
@@ -224,7 +225,7 @@ class Gemma3Model:
                 True: rope_cos_sin(pos, c.head_dim, c.rope_theta_local),
                 False: rope_cos_sin(pos, c.head_dim, c.rope_theta_global, c.rope_scaling_factor),
             }
-        lin = _linear_rows if split_rows else linear
+        lin = (lambda w, x: _linear_rows(w, x, bounds)) if split_rows else linear
         h_q, h_kv, d = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
         x = self.embed_tokens(tokens)
@@ -276,7 +277,10 @@ class Gemma3Model:
             idx = [list(range(bounds[j], bounds[j + 1])) if flags[j] else [bounds[j + 1] - 1] for j in range(len(seqs))]
             counts = [len(i) for i in idx]
             rows = hidden[torch.tensor([i for ix in idx for i in ix], device=hidden.device)]
-        logits = lin(self.head, rows)
+        if split_rows:  # each sequence's logits rows as its own forward computes them
+            logits = _linear_rows(self.head, rows, [0, *itertools.accumulate(counts)])
+        else:
+            logits = linear(self.head, rows)
         if c.final_logit_softcapping:
             logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
         if single:
@@ -288,9 +292,23 @@ class Gemma3Model:
         return outs
 
 
-def _linear_rows(w, x: torch.Tensor) -> torch.Tensor:
-    """:func:`linear` fed at most ``SMALL_M`` rows at a time, so every row of a quantized product
-    goes through the batch-invariant C kernel (more rows at once would take the dense path)."""
+def _linear_rows(w, x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """:func:`linear` over the rows of several sequences (sequence j's rows are ``bounds[j]:bounds[j + 1]``),
+    each row computed as that sequence's own forward computes it: a sequence of more than ``SMALL_M``
+    rows (a prefill chunk) in a product of its own, as :meth:`Gemma3Model.forward` does; the rows of the
+    shorter ones (decode, verify) at most ``SMALL_M`` at a time through the batch-invariant C kernel. So
+    a request's output never depends on what shared its batch, in any activation mode."""
     if not isinstance(w, BlockWeight) or x.shape[0] <= SMALL_M:
         return linear(w, x)
-    return torch.cat([linear(w, x[i:i + SMALL_M]) for i in range(0, x.shape[0], SMALL_M)])
+    parts, run = [], bounds[0]  # run: the first row of the short sequences not yet multiplied
+
+    def flush(end: int) -> None:
+        parts.extend(linear(w, x[i:min(i + SMALL_M, end)]) for i in range(run, end, SMALL_M))
+
+    for a0, a1 in zip(bounds, bounds[1:]):
+        if a1 - a0 > SMALL_M:
+            flush(a0)
+            parts.append(linear(w, x[a0:a1]))
+            run = a1
+    flush(bounds[-1])
+    return torch.cat(parts)
