@@ -4,7 +4,9 @@
  * few microseconds of arithmetic each but ~3-5 us of dispatch per PyTorch op, ~25 ops per layer.
  *
  * Plain C loops with fixed lane counts, so the compiler vectorizes them for the machine (-O3
- * -march=native) without reassociating anything: every instruction set computes the same bits, and a
+ * -march=native) without reassociating anything (attention's score tiles, which it left without vector
+ * multiply-adds, are written with AVX-512 / AVX2 intrinsics of the same operations: at_scores): every
+ * instruction set computes the same bits, and a
  * row's result never depends on the other rows of the call (batch invariance, which speculative
  * verification needs). -ffp-contract=off: no multiply-add is fused unless written as one.
  *

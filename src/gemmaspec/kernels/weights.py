@@ -40,7 +40,7 @@ class CPUBlockWeight(BlockWeight):
     _dense: torch.Tensor | None = None
     # int8 activations for this weight's products under ``--act-quant auto`` whatever the process's mode
     # (build.set_act_quant); an explicit ``none`` or ``q8_0`` still rules. Set by
-    # :func:`~gemmaspec.kernels.build.auto_q8_weights` (a mid-sized model's head).
+    # :func:`~gemmaspec.kernels.build.auto_q8_head` (a mid-sized model's head).
     auto_q8: bool = False
 
     def _q8(self) -> bool:
