@@ -41,6 +41,18 @@ def library_notes_on_stderr():
     setup_logging()
 
 
+@pytest.fixture(autouse=True)
+def activation_mode_restored():
+    """Each test leaves the kernels' activation mode (``--act-quant``) as it found it: a test that sets
+    one would otherwise change how the session's engine computes in every test after it (under
+    ``auto`` the default model's head multiplies int8 activations, a server subprocess's too)."""
+    from gemmaspec.kernels import build
+
+    saved = build._act_mode, build._act_q8
+    yield
+    build._act_mode, build._act_q8 = saved
+
+
 @pytest.fixture(scope="session")
 def model_path():
     from gemmaspec.manage.default_model import default_model_path
