@@ -14,6 +14,14 @@ from gemmaspec.loading import load_checkpoint, product_weights
 PROMPT = torch.tensor([2, 818, 5279, 529, 7001, 563], dtype=torch.long)
 
 
+@pytest.fixture(autouse=True)
+def fp32_activations():
+    """The background regroup builds the fp32 products' layout; under ``auto`` the default model's head
+    multiplies int8 activations and is left out of it, so these tests ask for fp32 everywhere
+    (``--act-quant none``; conftest restores the mode)."""
+    kernels.set_act_quant("none")
+
+
 @pytest.fixture(scope="module")
 def lib():
     lib = kernels.load_library()
@@ -110,3 +118,15 @@ def test_no_background_regroup_when_the_copies_would_crowd_memory(lib, model_pat
     monkeypatch.setattr(kernels.regroup, "_mem_available", lambda: 4 * model.head.nbytes)  # the copies: > 1/4 of it
     assert kernels.regroup_in_background(product_weights(model)) is None
     assert not model.head.__dict__.get("_bg")  # regrouped at first use, as before
+
+
+def test_an_int8_head_is_left_out_under_auto(lib, model_path, monkeypatch):
+    """Under ``auto`` the default model's head multiplies int8 activations (its own repacked layout), so the
+    background regroup never builds its fp32 layout: no second copy of its 170 MiB."""
+    kernels.set_act_quant("auto")
+    monkeypatch.delenv("GEMMASPEC_REGROUP", raising=False)
+    model = load_checkpoint(model_path, role="target").model
+    head = model.head
+    assert head.auto_q8 and not head.__dict__.get("_bg")
+    kernels.sync_layouts([head])
+    assert head.__dict__.get("_r8") is None
