@@ -148,3 +148,72 @@ def test_a_drafter_that_stops_early_is_priced_by_its_expected_rows_and_steps():
     assert got.seconds == pytest.approx(0.010 + 0.004 * 0.75 + 0.001 + 0.5 * 0.001)
     always = choose([SlotView(2, [0.5, 0.5], "m", fixed=2)], FakeCosts(base=0.010, per_row=0.004, step0=0.001))
     assert always.seconds == pytest.approx(0.010 + 0.004 * 2 + 0.002)
+
+
+class OverheadCosts(FakeCosts):
+    """FakeCosts plus a round's planning time outside the timed draft steps: ``idle`` when no slot
+    drafts with a model, ``drafting`` when one does."""
+
+    def __init__(self, idle=0.0, drafting=0.0, **kw):
+        super().__init__(**kw)
+        self.idle, self.drafting = idle, drafting
+
+    def overhead_seconds(self, seqs, drafting):
+        return self.drafting if drafting else self.idle
+
+
+def test_a_fixed_cost_of_drafting_at_all_turns_a_marginal_draft_off():
+    """Steps and rows alone make a one-token draft pay (1.3 tokens for 0.0115 s against 1 for 0.010);
+    a round that drafts with the model also pays 0.003 s of setup, and then it does not."""
+    slot = [SlotView(1, [0.3], "draft-mtp")]
+    base = dict(base=0.010, per_row=0.001, step0=0.0005)
+    assert choose(slot, FakeCosts(**base)).ns == [1]
+    got = choose(slot, OverheadCosts(idle=0.0005, drafting=0.003, **base))
+    assert got.ns == [0]
+    assert got.seconds == pytest.approx(0.0105)  # the idle overhead counts in the prediction too
+    # a draft already made (n-gram lookup) pays no model's setup
+    assert choose([SlotView(1, [0.3])], OverheadCosts(idle=0.0005, drafting=0.003, **base)).ns == [1]
+
+
+def test_cost_model_learns_the_overhead_per_slot_count_and_drafting():
+    m = CostModel([0.010])
+    assert m.overhead_seconds(2, True) == 0.0  # nothing seen
+    m.observe_overhead(2, True, 0.002)
+    m.observe_overhead(2, False, 0.0004)
+    assert m.overhead_seconds(2, True) == pytest.approx(0.002)
+    assert m.overhead_seconds(2, False) == pytest.approx(0.0004)
+    assert m.overhead_seconds(4, True) == pytest.approx(0.004)  # more slots than seen: scaled up
+    assert m.overhead_seconds(1, True) == pytest.approx(0.002)  # fewer: not less
+    m.observe_overhead(2, True, 0.004)
+    assert m.overhead_seconds(2, True) == pytest.approx(0.7 * 0.002 + 0.3 * 0.004)
+    m.observe_overhead(3, False, -0.001)  # clock jitter below zero counts as none
+    assert m.overhead_seconds(3, False) == 0.0
+
+
+def test_a_thin_own_record_is_explored_instead_of_inheriting_a_low_pooled_estimate():
+    """Other requests taught the pool that the drafter is poor (acceptance ~0.2): a new request's
+    plain estimate is the pool's, for which drafting does not pay, and a round that drafts nothing
+    tests nothing, so it would never learn that its own text drafts well. The upper confidence bound
+    on its first position makes it draft; as its own tests accumulate the bound closes on the
+    estimate."""
+    pooled = Acceptance(4, decay=1.0, weight=2.0)
+    for _ in range(50):
+        pooled.update(3, 0)
+        pooled.update(3, 1)
+        pooled.update(3, 0)
+        pooled.update(3, 0)
+        pooled.update(3, 0)
+    mine = Acceptance(4, parent=pooled)
+    plain, bound = mine.rates(3), mine.rates(3, explore=1.0)
+    assert plain[0] < 0.25
+    p = plain[0]
+    assert bound[0] == pytest.approx(p + (p * (1 - p) / 1.0) ** 0.5)
+    assert bound[1:] == plain[1:]
+    costs = FakeCosts(base=0.010, per_row=0.003, step0=0.0005)
+    assert choose([SlotView(3, plain, "draft-mtp")], costs).ns == [0]
+    assert choose([SlotView(3, bound, "draft-mtp")], costs).ns[0] > 0
+    for _ in range(30):  # its own drafts do well: the estimate rises and the bound narrows to it
+        mine.update(3, 3)
+    p = mine.rates(1)[0]
+    assert p > 0.9
+    assert mine.rates(1, explore=1.0)[0] - p < 0.3 * (p * (1 - p)) ** 0.5 + 1e-9

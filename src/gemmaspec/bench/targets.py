@@ -147,6 +147,11 @@ class InProcessTarget:
                     self.p_min[real] = make.p_min
                 self.spec_types.append(real)
                 self.schedulers[real] = self._start(make, n_slots)
+        if self.spec_types:  # the cost model's calibration now, as `gemmaspec serve` does at load, not
+            # inside the first phase that chooses draft lengths (its wall time would include it)
+            from ..speculative.options import MAX_DRAFT_TOKENS
+
+            self.engine.forward_costs(MAX_DRAFT_TOKENS)
 
     def _factory(self, spec_type, draft, p_min):
         """``(plan, factory)`` of :mod:`gemmaspec.speculative.plan` for one type of this target."""

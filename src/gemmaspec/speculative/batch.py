@@ -77,12 +77,13 @@ def preview(drafter, ctx: DraftContext, n_max: int) -> Preview:
 
 
 def draft_batch(jobs: list[tuple[object, DraftContext, int]],
-                on_step: Callable[[str, int, float], None] | None = None) -> list[Draft]:
+                on_step: Callable[..., None] | None = None) -> list[Draft]:
     """Drafts of model drafters for several slots: ``jobs`` = ``(drafter, context, n)``, each slot its
     own drafter; returns one :class:`Draft` per job (at most ``n`` tokens; fewer where an assistant's
     p-min stops a slot's round). MTP drafters sharing one assistant draft together, one batched step
     per draft position for the slots still drafting; others draft alone. ``on_step(source, rows,
-    seconds)`` is called for each batched step (the scheduler's cost model learns from it)."""
+    seconds)`` is called for each batched step (the scheduler's cost model learns from it); for a
+    drafter that drafts alone, once per call as ``on_step(source, 1, seconds per token, tokens asked)``."""
     out: list[Draft | None] = [None] * len(jobs)
     groups: dict[int, list[int]] = {}
     for i, (d, ctx, n) in enumerate(jobs):
@@ -94,7 +95,7 @@ def draft_batch(jobs: list[tuple[object, DraftContext, int]],
             t = time.perf_counter()
             out[i] = d.propose(ctx, n)
             if on_step is not None:
-                on_step(getattr(d, "name", ""), 1, (time.perf_counter() - t) / max(1, n))
+                on_step(getattr(d, "name", ""), 1, (time.perf_counter() - t) / max(1, n), max(1, n))
     for rows in groups.values():
         got = mtp_batch([jobs[i] for i in rows], on_step)
         for i, dr in zip(rows, got):

@@ -6,7 +6,7 @@ round for the batch, not per request: :func:`choose` picks ``n_i`` (0 included) 
 maximise the batch's expected tokens per second,
 
     tokens(n) = sum_i E_i(n_i),   E_i(n) = 1 + sum_{j=1..n} prod_{k<=j} a_{i,k}
-    seconds(n) = verify(S, S + sum_i n_i) + drafting(n)
+    seconds(n) = verify(S, S + sum_i n_i) + drafting(n) + overhead(S, any model drafts)
 
 where ``a_{i,k}`` is slot i's chance of gaining draft position k given it gained k-1
 (:class:`Acceptance`: a position its drafter was asked for but did not draft, stopped by its p-min,
@@ -14,7 +14,9 @@ counts as not gained), ``verify(S, R)`` the seconds of a round of S slots and R 
 verification and stop checks; :class:`CostModel`) and ``drafting`` the draft steps it needs: a
 batched drafter (the MTP assistant) runs step k once for the B_k slots still drafting,
 ``sum_k d(B_k)``; a drafter that does not batch pays ``d(1)`` per token; a draft already made (n-gram
-lookup: nearly free) costs nothing more. A model drafter with a p-min drafts fewer tokens than asked
+lookup: nearly free) costs nothing more. ``overhead`` is what a round spends planning and drafting
+outside those timed steps (the views, this choice, a model drafter's setup), learned per slot count,
+apart for rounds where some slot drafts with a model: a fixed cost of drafting at all. A model drafter with a p-min drafts fewer tokens than asked
 in some rounds: its rows and steps are counted by their expected number (``SlotView.cont``). At one slot this is the adaptive draft length of
 :mod:`.adaptive` with a per-step drafting cost; under load it drafts less, or not at all, by itself.
 
@@ -24,11 +26,16 @@ per-position draws), so only speed depends on it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 PRIOR_FIRST = 0.85
 """Prior acceptance of a first draft token (the adaptive controller's), before anything is measured."""
+
+EXPLORE = 1.0
+"""Width of the upper confidence bound on a request's first-position acceptance the planner chooses
+with (:meth:`Acceptance.rates`'s ``explore``)."""
 
 
 class Acceptance:
@@ -52,8 +59,14 @@ class Acceptance:
         self.reached = [0.0] * n_cap
         self.acc = [0.0] * n_cap
 
-    def rates(self, k: int) -> list[float]:
-        """Estimated acceptance at positions 0..k-1 (k capped at ``n_cap``)."""
+    def rates(self, k: int, explore: float = 0.0) -> list[float]:
+        """Estimated acceptance at positions 0..k-1 (k capped at ``n_cap``).
+
+        ``explore`` > 0 raises position 0's estimate by ``explore * sqrt(p (1 - p) / (t + 1))``, t its
+        own (decayed) tests, capped at 1: an upper confidence bound, as bandit algorithms use, so that
+        a request whose own record is thin drafts and learns instead of inheriting a low pooled
+        estimate forever (a round that drafts nothing tests nothing). It fades as its own tests
+        accumulate, and returns when they fade (:meth:`tick`)."""
         k = min(k, self.n_cap)
         prior = self.parent.rates(k) if self.parent is not None else None
         out, prev = [], PRIOR_FIRST
@@ -61,6 +74,9 @@ class Acceptance:
             p = prior[i] if prior is not None else prev
             prev = (self.acc[i] + self.weight * p) / (self.reached[i] + self.weight)
             out.append(prev)
+        if out and explore > 0:
+            p = out[0]
+            out[0] = min(1.0, p + explore * math.sqrt(p * (1.0 - p) / (self.reached[0] + 1.0)))
         return out
 
     def tick(self) -> None:
@@ -145,6 +161,10 @@ class Costs(Protocol):
         """Seconds of one draft step of ``source`` for ``batch`` slots at once."""
         ...
 
+    # optional: ``overhead_seconds(seqs, drafting) -> float``, the seconds a round of ``seqs`` slots
+    # spends planning and drafting outside the timed draft steps (``drafting``: some slot drafts with a
+    # model); :func:`choose` adds it when the cost model has it (:meth:`CostModel.overhead_seconds`).
+
 
 def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> Choice:
     """Each slot's draft length for this round: the ``n`` that maximises expected tokens per second
@@ -180,6 +200,8 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
     for r in range(n, rows_max + 1):
         verify[r] = costs.verify_seconds(n, r)
     verify[rows_max + 1] = verify[rows_max]
+    over = getattr(costs, "overhead_seconds", None)
+    over_idle, over_draft = (over(n, False), over(n, True)) if over is not None else (0.0, 0.0)
     step = {s.source: [0.0] + [costs.draft_seconds(s.source, b) for b in range(1, n + 1)] + [0.0]
             for s in slots if s.source}
     for tab in step.values():
@@ -191,6 +213,7 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
 
     def seconds(ns) -> float:
         total = at(verify, n + sum(sum(reach[i][1:k + 1]) for i, k in enumerate(ns)))
+        total += over_draft if any(k and s.source for s, k in zip(slots, ns)) else over_idle
         by_source: dict[str, list[int]] = {}
         for i, (s, k) in enumerate(zip(slots, ns)):
             if k and s.source:
@@ -245,7 +268,10 @@ class CostModel:
     nearest S; nearest R) corrected by the calibrated difference between R and its R (what an extra
     row costs in the products); else the calibration alone. ``draft_seconds(source, B)``: the measured
     mean of one draft step of B rows, else the nearest B's scaled by B / B' for a B above it (a safe
-    over-estimate), else ``draft_prior`` × the calibrated 1-row forward.
+    over-estimate), else ``draft_prior`` × the calibrated 1-row forward. ``overhead_seconds(S,
+    drafting)``: the measured mean of a round's planning and drafting time outside the timed draft
+    steps, for S slots, with or without a model drafting (nearest S scaled by S / S' above it; 0 before
+    any round).
 
     Args:
         forward_costs: seconds of one target forward over 1, 2, ... rows (one sequence; see
@@ -261,6 +287,7 @@ class CostModel:
         self.horizon, self.draft_prior = horizon, draft_prior
         self.verify: dict[tuple[int, int], list[float]] = {}  # (S, R) -> [mean s, round seen]
         self.draft: dict[tuple[str, int], list[float]] = {}  # (source, B) -> [mean s, round seen]
+        self.overhead: dict[tuple[int, bool], list[float]] = {}  # (S, drafting) -> [mean s, round seen]
         self.round = 0
 
     def calibrated(self, rows: int) -> float:
@@ -292,6 +319,20 @@ class CostModel:
             b = min(seen, key=lambda x: (abs(x - batch), x))
             return seen[b] * max(1.0, batch / b)
         return self.draft_prior * self.calibrated(1) * batch
+
+    def overhead_seconds(self, seqs: int, drafting: bool) -> float:
+        seen = {s: v for (s, d), v in self._fresh(self.overhead).items() if d == drafting}
+        if not seen:
+            return 0.0
+        if seqs in seen:
+            return seen[seqs]
+        s = min(seen, key=lambda x: (abs(x - seqs), x))
+        return seen[s] * max(1.0, seqs / s)
+
+    def observe_overhead(self, seqs: int, drafting: bool, seconds: float) -> None:
+        """A round of ``seqs`` slots spent ``seconds`` planning and drafting outside its timed draft
+        steps (``drafting``: some slot drafted with a model)."""
+        self._observe(self.overhead, (seqs, drafting), max(0.0, seconds))
 
     def observe_verify(self, seqs: int, rows: int, seconds: float) -> None:
         """A round of ``seqs`` slots and ``rows`` rows took ``seconds`` (drafting excluded)."""

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from .batch import Preview, draft_batch, preview
-from .chooser import Acceptance, Choice, CostModel, SlotView, choose
+from .chooser import EXPLORE, Acceptance, Choice, CostModel, SlotView, choose
 from .drafters import Draft, NoDrafter
 from .options import MAX_DRAFT_TOKENS
 
@@ -79,6 +79,8 @@ class RoundPlanner:
         self._done: list[SlotPlan] = []
         self._choice = Choice()
         self._t0 = self._t_drafted = 0.0
+        self._step_s = 0.0  # this round's timed draft steps (seconds)
+        self._model_drafted = False  # some slot of this round drafted with a model
 
     @property
     def cost(self) -> CostModel:
@@ -107,6 +109,7 @@ class RoundPlanner:
         :class:`~gemmaspec.engine.RoundInput` or the exception its drafting raised (that slot only;
         a batched draft step that fails fails the slots it drafted for)."""
         self._t0 = time.perf_counter()
+        self._step_s, self._model_drafted = 0.0, False
         plans: list[SlotPlan | None] = []
         results: list = [None] * len(slots)
         for i, (key, st) in enumerate(slots):
@@ -159,7 +162,7 @@ class RoundPlanner:
                         None if choosing else min(st.fixed_n(), cap), st.options.n_min)
         chose = choosing and cap > 0
         if chose:
-            view.rates = self._acceptance(key, pv.source).rates(cap)
+            view.rates = self._acceptance(key, pv.source).rates(cap, EXPLORE)
             if pv.model is not None:
                 view.cont = self._acceptance(key, pv.source, "cont").rates(cap)
         return SlotPlan(key, st, pv, view, choosing=choosing, chose=chose, generated=st.stats.generated_tokens)
@@ -170,6 +173,7 @@ class RoundPlanner:
         jobs = [(i, p) for i, p in enumerate(plans) if p is not None and p.n > 0 and p.preview.model is not None]
         if not jobs:
             return {}
+        self._model_drafted = True
         try:
             got = draft_batch([(p.preview.model, p.state.draft_context(), p.n) for _, p in jobs], self._observe_draft)
         except Exception as exc:  # noqa: BLE001 - the slots that drafted with a model fail
@@ -178,7 +182,8 @@ class RoundPlanner:
             return {}
         return {i: d for (i, _), d in zip(jobs, got)}
 
-    def _observe_draft(self, source: str, rows: int, seconds: float) -> None:
+    def _observe_draft(self, source: str, rows: int, seconds: float, steps: int = 1) -> None:
+        self._step_s += seconds * steps
         if self._cost is not None:
             self._cost.observe_draft(source, rows, seconds)
 
@@ -194,6 +199,8 @@ class RoundPlanner:
         choosing = any(p.chose for p in ran)
         if choosing or self._cost is not None:
             self.cost.observe_verify(len(ran), rows, seconds)
+            self.cost.observe_overhead(len(plans), self._model_drafted,
+                                       (self._t_drafted - self._t0) - self._step_s)
         for p in ran:
             drafted, accepted = p.state.last_verdict
             # the positions the round tried: a model drafter asked for n tokens that stopped early (its
