@@ -217,3 +217,9 @@ def test_a_thin_own_record_is_explored_instead_of_inheriting_a_low_pooled_estima
     p = mine.rates(1)[0]
     assert p > 0.9
     assert mine.rates(1, explore=1.0)[0] - p < 0.3 * (p * (1 - p)) ** 0.5 + 1e-9
+
+
+def test_the_reported_tokens_use_the_estimates_without_the_exploration_bound():
+    got = choose([SlotView(2, [0.9, 0.5], "draft-mtp", plain=[0.6, 0.5])], FakeCosts(base=0.010))
+    assert got.ns == [2]
+    assert got.tokens == pytest.approx(1 + 0.6 + 0.3)

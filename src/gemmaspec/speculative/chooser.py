@@ -124,6 +124,8 @@ class SlotView:
             round early), positions 0..cap-1; empty: it always drafts what it is asked. A round asked
             for n tokens verifies and drafts only what was drafted, so rows and draft steps are priced
             by their expected number.
+        plain: the acceptance estimates without an exploration bound (``rates`` may carry one, see
+            :meth:`Acceptance.rates`): the choice's reported tokens use these; empty: ``rates``.
     """
 
     cap: int
@@ -133,6 +135,7 @@ class SlotView:
     fixed: int | None = None
     n_min: int = 0
     cont: Sequence[float] = ()
+    plain: Sequence[float] = ()
 
 
 @dataclass
@@ -180,7 +183,7 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
 
     Returns:
         :class:`Choice` with ``ns[i]`` in ``{0} ∪ [n_min_i, cap_i]`` (``fixed_i`` for a fixed slot,
-        capped at ``cap_i``).
+        capped at ``cap_i``); its ``tokens`` from each slot's ``plain`` estimates where given.
     """
     n = len(slots)
     if n == 0:
@@ -257,7 +260,11 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
                     best, best_score, changed = trial, got, True
         if not changed:
             break
-    return Choice(best, best_score[1], best_score[2])
+    tokens = best_score[1]
+    if any(s.plain for s in slots):  # the prediction reported: the estimates without the exploration bound
+        tokens = sum(expected_tokens(list((s.plain or s.rates)[:c]) + [0.0] * (c - len((s.plain or s.rates)[:c])))[k]
+                     for s, c, k in zip(slots, caps, best))
+    return Choice(best, tokens, best_score[2])
 
 
 class CostModel:

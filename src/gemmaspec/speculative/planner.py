@@ -162,7 +162,8 @@ class RoundPlanner:
                         None if choosing else min(st.fixed_n(), cap), st.options.n_min)
         chose = choosing and cap > 0
         if chose:
-            view.rates = self._acceptance(key, pv.source).rates(cap, EXPLORE)
+            acc = self._acceptance(key, pv.source)
+            view.rates, view.plain = acc.rates(cap, EXPLORE), acc.rates(cap)
             if pv.model is not None:
                 view.cont = self._acceptance(key, pv.source, "cont").rates(cap)
         return SlotPlan(key, st, pv, view, choosing=choosing, chose=chose, generated=st.stats.generated_tokens)
