@@ -189,7 +189,11 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
     if n == 0:
         return Choice()
     caps = [max(0, s.cap) for s in slots]
-    gain = [expected_tokens(list(s.rates[:c]) + [0.0] * (c - len(s.rates[:c]))) for s, c in zip(slots, caps)]
+
+    def padded(rates, c: int) -> list[float]:  # rates at positions 0..c-1, 0 where none is known
+        return list(rates[:c]) + [0.0] * (c - len(rates[:c]))
+
+    gain = [expected_tokens(padded(s.rates, c)) for s, c in zip(slots, caps)]
     fixed = [None if s.fixed is None else min(max(0, s.fixed), c) for s, c in zip(slots, caps)]
     # reach[i][j]: probability slot i's drafter produces j tokens when asked for more (its p-min stops)
     reach = []
@@ -262,8 +266,7 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
             break
     tokens = best_score[1]
     if any(s.plain for s in slots):  # the prediction reported: the estimates without the exploration bound
-        tokens = sum(expected_tokens(list((s.plain or s.rates)[:c]) + [0.0] * (c - len((s.plain or s.rates)[:c])))[k]
-                     for s, c, k in zip(slots, caps, best))
+        tokens = sum(expected_tokens(padded(s.plain or s.rates, c))[k] for s, c, k in zip(slots, caps, best))
     return Choice(best, tokens, best_score[2])
 
 

@@ -120,7 +120,10 @@ class RoundPlanner:
                 results[i] = exc
         live = [p for p in plans if p is not None]
         if any(p.chose for p in live):
-            self._choice = choose([p.view for p in live], self.cost)
+            t = time.perf_counter()
+            cost = self.cost  # calibrated on first use (about a second, once): not this round's planning
+            self._t0 += time.perf_counter() - t
+            self._choice = choose([p.view for p in live], cost)
             for p, n in zip(live, self._choice.ns):
                 p.n = n
         else:
@@ -200,8 +203,10 @@ class RoundPlanner:
         choosing = any(p.chose for p in ran)
         if choosing or self._cost is not None:
             self.cost.observe_verify(len(ran), rows, seconds)
+            # planning outside the timed steps; a stall (a first call's warm-up, a pause) counts at most
+            # a quarter of the round's forward, so one outlier cannot price drafting out for long
             self.cost.observe_overhead(len(plans), self._model_drafted,
-                                       (self._t_drafted - self._t0) - self._step_s)
+                                       min((self._t_drafted - self._t0) - self._step_s, 0.25 * seconds))
         for p in ran:
             drafted, accepted = p.state.last_verdict
             # the positions the round tried: a model drafter asked for n tokens that stopped early (its
