@@ -2,8 +2,8 @@
 #   make run    - virtual environment, PyTorch 2.13.0, gemmaspec (the runtime only); then the demo: the
 #                 default model decodes a prompt plainly and with speculation, and says how much faster
 #                 and whether the two texts are identical
-#   make test   - the same setup plus the test extra (pytest, scipy, playwright...), then the test suite
-#                 (what .ci/run runs)
+#   make test   - the same setup plus the test extra (pytest, scipy, playwright...), then the test suite in
+#                 TEST_WORKERS=2 processes (what .ci/run runs)
 # Each phase says what it does and about how long it takes; pip shows its own progress.
 # PyTorch: TORCH=auto (default) installs the CUDA build when nvidia-smi sees a GPU, else the CPU build
 # (from PyTorch's CPU wheel index; when that index is unreachable, a plain `pip install torch`).
@@ -29,6 +29,9 @@ TEMP   ?= 0
 ARGS   ?= -n 128
 # --compare: the same prompt plainly, then with speculation (DEMO= for one run of what SPEC says)
 DEMO   ?= --compare
+# make test: pytest-xdist worker processes (2: half the suite's time is process starts, servers and
+# waits, which overlap; more would multiply the models held in memory, ~1-5 GB a worker)
+TEST_WORKERS ?= 2
 
 .PHONY: setup run test bench clean
 
@@ -63,7 +66,7 @@ $(RUNTIME): pyproject.toml
 	touch $@
 
 $(TESTDEPS): $(RUNTIME)
-	@echo "==> the test extra: pytest, hypothesis, scipy, accelerate, openai, httpx, playwright (about 100 MB to download; 1-3 minutes)"
+	@echo "==> the test extra: pytest, pytest-xdist, hypothesis, scipy, accelerate, openai, httpx, playwright (about 100 MB to download; 1-3 minutes)"
 	$(PY) -m pip install -e '.[test]'
 	touch $@
 
@@ -74,8 +77,8 @@ run: setup
 	$(VENV)/bin/gemmaspec generate -p "$$PROMPT" $(SPEC) --temp $(TEMP) $(ARGS) $(DEMO)
 
 test: $(TESTDEPS)
-	@echo "==> the test suite (11-17 minutes on 2 cores)"
-	$(PY) -m pytest -q --durations=15
+	@echo "==> the test suite in $(TEST_WORKERS) worker processes, a file per worker at a time (about 12 minutes on 2 cores)"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 bench: setup
 	$(PY) benchmarks/decode.py
