@@ -70,6 +70,24 @@ def test_batched_steps_give_each_row_its_solo_bits(engine, factory, act):
                     hidden, next_h, (tok, prob) = assistant_step.run_step(a, xe, hi, kv, rope, token=True)
                     assert torch.equal(got[0][i], hidden) and torch.equal(got[1][i], next_h), (n, i)
                     assert got[2][i] == tok and got[3][i] == prob, (n, i)
+            # a round's rows prepared once, then a step over some of them out of order (slots that
+            # stopped drafting leave the batch): each row still gets its solo bits
+            prep = a.prepare_steps([r[3] for r in rows], [r[4] for r in rows])
+            assert prep is not None and prep.n == 4
+            pick = [3, 1]
+            x = torch.stack([rows[i][0] for i in pick])
+            h = torch.stack([rows[i][1] for i in pick])
+            got = assistant_step.run_steps(a, x, h, None, None, pick, prep)
+            for j, i in enumerate(pick):
+                xe, hi, p, kv, rope = rows[i]
+                hidden, next_h, (tok, prob) = assistant_step.run_step(a, xe, hi, kv, rope, token=True)
+                assert torch.equal(got[0][j], hidden) and torch.equal(got[1][j], next_h) and got[2][j] == tok, i
+        # the round's per-row inputs looked up together are the solo lookups
+        ps = [r[2] for r in rows]
+        for rope, one in zip(a.ropes_at(ps), [a.rope_at(p) for p in ps]):
+            assert all(torch.equal(rope[k][0], one[k][0]) and torch.equal(rope[k][1], one[k][1]) for k in one)
+        toks = [st.draft_context().tokens[-1] for st, _ in states]
+        assert torch.equal(engine.model.embed_rows(toks), torch.stack([engine.model.embed_row(t) for t in toks]))
         assert max(r[2] for r in rows) > 512  # one row read a wrapped sliding-window ring
     finally:
         kernels.set_act_quant("none")

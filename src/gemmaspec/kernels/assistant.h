@@ -6,13 +6,16 @@
  * projection, then per layer RMSNorm, query product, per-head norm + RoPE, attention over the
  * target's K/V, output product, post-norm + residual, MLP norm, gate and up products, gelu * up, down
  * product, post-norm + residual and the layer's output scale; then the final norm and the post-
- * projection. Only the ~40 Python and PyTorch dispatches per layer are gone.
+ * projection. Only the ~40 Python and PyTorch dispatches per layer are gone. The gate and up products
+ * run as one call over both matrices side by side (a StackedWeight's segments, as the target's layers
+ * do): each output column is computed by the same tile code as the matrix alone computes it, so the bits
+ * are those of the two products, with one parallel region and one activation quantization fewer.
  */
 
 typedef struct {
     const float *attn_norm, *q_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm; /* float32 [D] or [hd] */
     float out_scale;             /* the layer's output scalar (1 when it has none: x * 1 is x) */
-    gs_prod q, o, gate, up, down;
+    gs_prod q, o, gate_up, down; /* gate_up: [gate; up] (2F rows), one call */
     int hd;                      /* head dim of this layer's queries and of the keys it reads */
     const float *k, *v;          /* the target's cache of the layer it reads: [rows, hkv, hd] */
     int L;                       /* keys read: rows 0 .. L-1 */
@@ -94,8 +97,7 @@ int gs_assistant_step(int nl, const gs_alayer *layers, const gs_prod *pre, const
         prod1(&ly->o, hq * d, att, a, nthreads, act_q8);
         gs_add_rms_norm(a, ly->post_attn_norm, 1, D, eps, x, x);
         gs_rms_norm(x, ly->ffn_norm, 1, D, eps, h);
-        prod1(&ly->gate, D, h, gu, nthreads, act_q8);
-        prod1(&ly->up, D, h, gu + F, nthreads, act_q8);
+        prod1(&ly->gate_up, D, h, gu, nthreads, act_q8);
         gs_gelu_mul(gu, 2L * F, 1, F, g);
         prod1(&ly->down, F, g, f, nthreads, act_q8);
         gs_add_rms_norm(f, ly->post_ffn_norm, 1, D, eps, x, x);
@@ -142,6 +144,20 @@ static void as_att_task(void *ctx, int r) {
         j->failed = 1;
 }
 
+/* The head pick of one row of a batched step (a task of gs_assistant_steps). */
+typedef struct {
+    const float *scores;
+    int n_head;
+    const int64_t *token_map;
+    int64_t *best;
+    float *p_best;
+} as_pick_job;
+
+static void as_pick_task(void *ctx, int r) {
+    const as_pick_job *j = (const as_pick_job *)ctx;
+    head_pick(j->scores + (size_t)r * j->n_head, j->n_head, j->token_map, j->best + r, j->p_best ? j->p_best + r : NULL);
+}
+
 /* One draft step for B sequences at once (several slots' rounds): row b reads its own target K/V, mask
  * and RoPE (layers[b * nl + l]: row b's layer l; the weights are read from row 0's), and every product
  * runs over the B rows together, so the weights are read once per step instead of once per slot. Every
@@ -157,10 +173,10 @@ int gs_assistant_steps(int B, int nl, const gs_alayer *layers, const gs_prod *pr
     int maxhd = 0;
     for (int l = 0; l < nl; l++) maxhd = layers[l].hd > maxhd ? layers[l].hd : maxhd;
     const size_t qn = (size_t)hq * maxhd, b = (size_t)B;
-    float *buf = (float *)malloc(sizeof(float) * b * (4 * (size_t)D + 3 * qn + 6 * (size_t)F));
+    float *buf = (float *)malloc(sizeof(float) * b * (4 * (size_t)D + 3 * qn + 3 * (size_t)F));
     if (!buf) return -1;
     float *x = buf, *h = x + b * D, *a = h + b * D, *f = a + b * D, *qv = f + b * D, *qr = qv + b * qn;
-    float *att = qr + b * qn, *gu = att + b * qn, *g = gu + b * 2 * F, *t = g + b * F;
+    float *att = qr + b * qn, *gu = att + b * qn, *g = gu + b * 2 * F;
     prodm(pre, 2 * Hb, in, B, x, nthreads, act_q8);
     for (int l = 0; l < nl; l++) {
         const gs_alayer *ly = &layers[l];
@@ -183,12 +199,7 @@ int gs_assistant_steps(int B, int nl, const gs_alayer *layers, const gs_prod *pr
         prodm(&ly->o, hq * d, att, B, a, nthreads, act_q8);
         gs_add_rms_norm(a, ly->post_attn_norm, B, D, eps, x, x);
         gs_rms_norm(x, ly->ffn_norm, B, D, eps, h);
-        prodm(&ly->gate, D, h, B, g, nthreads, act_q8);
-        prodm(&ly->up, D, h, B, t, nthreads, act_q8);
-        for (int r = 0; r < B; r++) { /* [gate | up] per row, as the one-row step lays them out */
-            memcpy(gu + (size_t)r * 2 * F, g + (size_t)r * F, sizeof(float) * (size_t)F);
-            memcpy(gu + (size_t)r * 2 * F + F, t + (size_t)r * F, sizeof(float) * (size_t)F);
-        }
+        prodm(&ly->gate_up, D, h, B, gu, nthreads, act_q8); /* [gate | up] per row */
         gs_gelu_mul(gu, 2L * F, B, F, g);
         prodm(&ly->down, F, g, B, f, nthreads, act_q8);
         gs_add_rms_norm(f, ly->post_ffn_norm, B, D, eps, x, x);
@@ -201,8 +212,8 @@ int gs_assistant_steps(int B, int nl, const gs_alayer *layers, const gs_prod *pr
         float *scores = (float *)malloc(sizeof(float) * b * (size_t)n_head);
         if (!scores) return -1;
         prodm(head, D, hidden, B, scores, nthreads, act_q8);
-        for (int r = 0; r < B; r++)
-            head_pick(scores + (size_t)r * n_head, n_head, token_map, best + r, p_best ? p_best + r : NULL);
+        as_pick_job pj = {scores, n_head, token_map, best, p_best};
+        gs_parallel(B, nthreads, as_pick_task, &pj); /* each row's pick on one thread: its bits alone */
         free(scores);
     }
     return 0;

@@ -132,7 +132,12 @@ class Gemma3Model:
 
     def embed_row(self, token: int) -> torch.Tensor:
         """The scaled input embedding of one token, float32 [hidden] (what an MTP assistant reads)."""
-        return self.embed_tokens(torch.tensor([token], device=self.device))[0]
+        return self.embed_rows([token])[0]
+
+    def embed_rows(self, tokens: list[int]) -> torch.Tensor:
+        """:meth:`embed_row` of each token, float32 [len(tokens), hidden], in one lookup (each row
+        unpacked and scaled on its own: the same values)."""
+        return self.embed_tokens(torch.tensor(tokens, dtype=torch.int64, device=self.device))
 
     def kv_layout(self) -> dict:
         """Per layer type, the cache layer an MTP assistant reads: ``{"sliding"|"full": (layer index,

@@ -212,7 +212,12 @@ class Gemma4Model:
 
     def embed_row(self, token: int) -> torch.Tensor:
         """The scaled input embedding of one token, float32 [hidden] (what the MTP assistant reads)."""
-        return _lookup(self.embed, torch.tensor([token], device=self.device))[0] * self.embed_scale
+        return self.embed_rows([token])[0]
+
+    def embed_rows(self, tokens: list[int]) -> torch.Tensor:
+        """:meth:`embed_row` of each token, float32 [len(tokens), hidden], in one lookup (each row
+        unpacked and scaled on its own: the same values)."""
+        return _lookup(self.embed, torch.tensor(tokens, dtype=torch.int64, device=self.device)) * self.embed_scale
 
     def kv_layout(self) -> dict:
         """See :func:`kv_layout` (what an MTP assistant reads of this model's cache)."""

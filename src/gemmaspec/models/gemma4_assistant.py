@@ -137,6 +137,12 @@ class Gemma4Assistant:
         the same position, so a round computes them once)."""
         return rope_tables(self.config, torch.tensor([position], device=self.device))
 
+    def ropes_at(self, positions: list[int]) -> list[dict]:
+        """:meth:`rope_at` of each position, from one lookup: row r's (cos, sin) are rows of one
+        [B, head dim] table (the same values; RoPE is elementwise in the position)."""
+        t = rope_tables(self.config, torch.tensor(positions, device=self.device))
+        return [{k: (c[r:r + 1], s[r:r + 1]) for k, (c, s) in t.items()} for r in range(len(positions))]
+
     def step(self, x_embed: torch.Tensor, h: torch.Tensor, position: int, kv: dict, rope: dict | None = None):
         """One draft step.
 
@@ -189,7 +195,8 @@ class Gemma4Assistant:
         return t, float(probs.max()), next_h
 
     def draft_steps(self, x_embed: torch.Tensor, h: torch.Tensor, positions: list[int], kvs: list[dict],
-                    ropes: list[dict] | None = None, probs: bool = True) -> tuple[list[int], list, torch.Tensor]:
+                    ropes: list[dict] | None = None, probs: bool = True, prepared=None,
+                    rows: list[int] | None = None) -> tuple[list[int], list, torch.Tensor]:
         """One draft step for several sequences at once (several slots drafting in the same round):
         ``(tokens, probabilities, next h float32 [B, Hb])``, row b exactly :meth:`draft_step_p` on
         row b alone. On the CPU with the C kernel and a reduced block-quantized head, the rows run
@@ -203,6 +210,8 @@ class Gemma4Assistant:
             ropes: each row's :meth:`rope_at` (computed when None).
             probs: whether the probabilities are needed (a p-min to compare): row by row without
                 them, each row runs :meth:`draft_step` (the same token, no softmax) and gets None.
+            prepared, rows: :meth:`prepare_steps` of the round's rows and which of them these B are
+                (each row's part of the C call's arguments is then not built again every step).
         """
         ropes = [self.rope_at(p) for p in positions] if ropes is None else ropes
         n = x_embed.shape[0]
@@ -211,7 +220,10 @@ class Gemma4Assistant:
 
             toks, ps, hs = [], [], []
             for i in range(0, n, 16):
-                got = run_steps(self, x_embed[i:i + 16], h[i:i + 16], kvs[i:i + 16], ropes[i:i + 16])
+                if prepared is not None and rows is not None:
+                    got = run_steps(self, x_embed[i:i + 16], h[i:i + 16], None, None, rows[i:i + 16], prepared)
+                else:
+                    got = run_steps(self, x_embed[i:i + 16], h[i:i + 16], kvs[i:i + 16], ropes[i:i + 16])
                 if got is None:
                     break
                 toks += got[2]
@@ -229,6 +241,16 @@ class Gemma4Assistant:
             ps.append(p)
             hs.append(nh)
         return toks, ps, torch.stack(hs)
+
+    def prepare_steps(self, kvs: list[dict], ropes: list[dict]):
+        """What the batched C step needs of each row that stays the same through a round (its target
+        K/V, mask and RoPE at its draft position), built once for the round's :meth:`draft_steps`;
+        None where the C step does not apply (those then build per call or run row by row)."""
+        if self.device.type != "cpu":
+            return None
+        from .assistant_step import prepare_rows
+
+        return prepare_rows(self, kvs, ropes)
 
     def _step(self, x_embed, h, position, kv, rope, token: bool):
         rope = self.rope_at(position) if rope is None else rope

@@ -110,6 +110,10 @@ def mtp_batch(jobs: list[tuple[MTPDrafter, DraftContext, int]], on_step=None) ->
     a = jobs[0][0].assistant
     state = []  # per job: [position, kv, rope, token, hidden, drafts, stopped]
     with torch.inference_mode(), ops_on_one_thread():
+        drafting = [j for j, (_, ctx, _) in enumerate(jobs) if ctx.hidden is not None]
+        positions = [len(jobs[j][1].tokens) - 1 for j in drafting]
+        ropes = iter(a.ropes_at(positions) if hasattr(a, "ropes_at") and positions else
+                     [a.rope_at(p) for p in positions])
         for d, ctx, n in jobs:
             p = len(ctx.tokens) - 1
             if ctx.hidden is None:
@@ -117,17 +121,26 @@ def mtp_batch(jobs: list[tuple[MTPDrafter, DraftContext, int]], on_step=None) ->
                 continue
             if p != d.cache.length:
                 raise RuntimeError(f"MTP drafter out of step: position {p}, target cache holds {d.cache.length}")
-            state.append([p, d.target_kv(p), a.rope_at(p), ctx.tokens[-1], ctx.hidden, [], False])
+            state.append([p, d.target_kv(p), next(ropes), ctx.tokens[-1], ctx.hidden, [], False])
+        # what each row's C step reads that stays the same through the round, built once
+        prepared = a.prepare_steps([state[j][1] for j in drafting], [state[j][2] for j in drafting]) \
+            if hasattr(a, "prepare_steps") and drafting else None
+        row_of = {j: r for r, j in enumerate(drafting)}
+        targets = {id(d.target) for d, _, _ in jobs}
         for k in range(max(n for _, _, n in jobs)):
             live = [i for i, s in enumerate(state) if s is not None and not s[6] and len(s[5]) == k and jobs[i][2] > k]
             if not live:
                 break
             t = time.perf_counter()
-            x = torch.stack([jobs[i][0].target.embed_row(state[i][3]) for i in live])
+            if len(targets) == 1 and hasattr(jobs[0][0].target, "embed_rows"):
+                x = jobs[0][0].target.embed_rows([state[i][3] for i in live])
+            else:
+                x = torch.stack([jobs[i][0].target.embed_row(state[i][3]) for i in live])
             h = torch.stack([state[i][4] for i in live])
             toks, probs, hs = a.draft_steps(x, h, [state[i][0] for i in live], [state[i][1] for i in live],
                                             [state[i][2] for i in live],
-                                            probs=any(jobs[i][0].p_min > 0 for i in live))
+                                            probs=any(jobs[i][0].p_min > 0 for i in live), prepared=prepared,
+                                            rows=[row_of[i] for i in live])
             for j, i in enumerate(live):
                 s, d = state[i], jobs[i][0]
                 if d.p_min > 0 and probs[j] < d.p_min:
