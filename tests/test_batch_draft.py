@@ -120,12 +120,10 @@ def test_preview_asks_free_drafters_first(engine):
     assert preview(d, type(st.draft_context())([1, 2, 3], None), 3).source == ""  # no hidden state yet
 
 
-def _serve(engine, make, jobs_spec, n_slots, before=None):
+def _serve(engine, make, jobs_spec, n_slots):
     sched = Scheduler(lambda: (engine, make), n_slots)
     sched.start()
     assert sched.ready.wait(120)
-    if before is not None:
-        before(sched)
     outs, done = {}, queue.Queue()
     jobs = []
     for i, (prompt, params, opts) in enumerate(jobs_spec):
@@ -183,41 +181,3 @@ def test_scheduler_rounds_equal_plain_output(engine, factory, choose):
         # holding the one-off calibration or a warm-up stall (about a millisecond per round here)
         over = sched.planner.cost.overhead
         assert any(d for _, d in over) and all(v[0] < 0.05 for v in over.values()), over
-
-
-def test_the_chooser_drafts_with_the_assistant_where_the_copy_keeps_failing(engine, factory, monkeypatch):
-    """A chain (n-gram lookup, then the assistant) whose copies this server has seen rejected and whose
-    assistant drafts it has seen taken: where the lookup finds a draft, the round drafts with the
-    assistant instead; the output is still the plain output, greedy and seeded."""
-    import gemmaspec.speculative.planner as planner_mod
-    from gemmaspec.speculative.options import MAX_DRAFT_TOKENS
-
-    chain = build(plan(SpecConfig("ngram-simple,draft-mtp"), engine.model_path), engine)
-    took = []
-    real = planner_mod.choose
-
-    def spy(views, cost, *a, **kw):
-        got = real(views, cost, *a, **kw)
-        took.extend(bool(v.alt) and bool(got.alts) and got.alts[i] for i, v in enumerate(views))
-        return got
-
-    monkeypatch.setattr(planner_mod, "choose", spy)
-
-    def history(sched):  # what earlier requests taught the pooled estimates
-        copy = sched.planner.pooled.setdefault(("ngram-simple", "gain"), planner_mod.Acceptance(
-            MAX_DRAFT_TOKENS + 1, decay=0.99, weight=2.0))
-        mtp = sched.planner.pooled.setdefault(("draft-mtp", "gain"), planner_mod.Acceptance(
-            MAX_DRAFT_TOKENS + 1, decay=0.99, weight=2.0))
-        for _ in range(200):
-            copy.update(3, 0)
-            mtp.update(3, 3)
-
-    opts = {"n_max": 3, "choose_n": True}
-    spec = [(PROMPTS[2], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), opts),
-            (PROMPTS[2] + " item7", SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True), opts)]
-    got, jobs, _ = _serve(engine, chain, spec, n_slots=2, before=history)
-    plain = [[t for e in engine.generate(engine.tokenizer.encode(p), params) for t in e.tokens]
-             for p, params, _ in spec]
-    assert got == plain
-    assert any(took)  # the lookup had a draft, and the assistant drafted instead
-    assert any(j.stats.spec.by_drafter.get("draft-mtp") for j in jobs)

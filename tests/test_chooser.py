@@ -223,36 +223,3 @@ def test_the_reported_tokens_use_the_estimates_without_the_exploration_bound():
     got = choose([SlotView(2, [0.9, 0.5], "draft-mtp", plain=[0.6, 0.5])], FakeCosts(base=0.010))
     assert got.ns == [2]
     assert got.tokens == pytest.approx(1 + 0.6 + 0.3)
-
-
-def _chain_slot(copy_rates, mtp_rates, cap=3):
-    """A slot whose n-gram lookup found a draft (free), with the chain's assistant as the alternative."""
-    return SlotView(cap, copy_rates, "", alt=SlotView(cap, mtp_rates, "draft-mtp"))
-
-
-def test_a_rejected_copy_gives_way_to_the_assistant():
-    # the copy is free but this text keeps rejecting it; the assistant's drafts are mostly taken
-    costs = FakeCosts(base=0.020, per_row=0.004, step0=0.0003, step_row=0.0001)
-    got = choose([_chain_slot([0.1, 0.1, 0.1], [0.9, 0.9, 0.9]) for _ in range(2)], costs)
-    assert got.alts == [True, True] and got.ns == [3, 3]
-    # a copy this text takes is kept (it costs nothing to draft), whatever the assistant promises
-    got = choose([_chain_slot([0.95, 0.95, 0.95], [0.6, 0.6, 0.6]) for _ in range(2)], costs)
-    assert got.alts == [] and got.ns == [3, 3]
-    # mixed: each slot gets its own better drafter; the tokens reported are the chosen drafters'
-    got = choose([_chain_slot([0.95, 0.95, 0.95], [0.5, 0.5, 0.5]), _chain_slot([0.05] * 3, [0.9] * 3)], costs)
-    assert got.alts == [False, True] and got.ns[1] > 0
-    assert got.tokens == pytest.approx(expected_tokens([0.95] * 3)[got.ns[0]] + expected_tokens([0.9] * 3)[got.ns[1]])
-
-
-def test_the_alternative_is_not_taken_when_drafting_does_not_pay():
-    # verification rows cost as much as a round: neither drafter pays, so nothing is drafted (no alt)
-    costs = FakeCosts(base=0.010, per_row=0.010, step0=0.001)
-    got = choose([_chain_slot([0.1] * 3, [0.5] * 3) for _ in range(4)], costs)
-    assert got.ns == [0, 0, 0, 0] and got.alts == []
-
-
-def test_a_fixed_slot_keeps_its_first_drafter():
-    s = _chain_slot([0.05] * 3, [0.95] * 3)
-    s.fixed = 2
-    got = choose([s], FakeCosts(base=0.020, per_row=0.0, step0=0.0001))
-    assert got.ns == [2] and got.alts == []

@@ -76,23 +76,6 @@ def preview(drafter, ctx: DraftContext, n_max: int) -> Preview:
     return Preview(chained=chained)
 
 
-def model_alternative(drafter, ctx: DraftContext, first: Preview) -> Preview | None:
-    """When ``first`` (:func:`preview`'s answer) is a free member's draft in a chain, the chain's first
-    model drafter, as the :class:`Preview` it would be had the free members found nothing: the
-    round's chooser may draft with it instead (under load an n-gram copy can be worth less than the
-    assistant's prediction). None otherwise, or when that model cannot draft yet (an MTP assistant
-    before the target's first hidden state)."""
-    if first.draft is None or not isinstance(drafter, ChainDrafter):
-        return None
-    for d in drafter.drafters:
-        if is_free(d):
-            continue
-        if isinstance(d, MTPDrafter) and ctx.hidden is None:
-            return None
-        return Preview(getattr(d, "name", type(d).__name__), None, d, True, isinstance(d, MTPDrafter))
-    return None
-
-
 def draft_batch(jobs: list[tuple[object, DraftContext, int]],
                 on_step: Callable[..., None] | None = None) -> list[Draft]:
     """Drafts of model drafters for several slots: ``jobs`` = ``(drafter, context, n)``, each slot its

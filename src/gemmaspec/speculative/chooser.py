@@ -20,14 +20,8 @@ apart for rounds where some slot drafts with a model: a fixed cost of drafting a
 in some rounds: its rows and steps are counted by their expected number (``SlotView.cont``). At one slot this is the adaptive draft length of
 :mod:`.adaptive` with a per-step drafting cost; under load it drafts less, or not at all, by itself.
 
-A slot whose drafter is a chain (``ngram-simple,draft-mtp``, the default) and whose n-gram lookup
-found a draft has two drafters this round: the free copy, or the assistant's prediction (llama.cpp's
-chain always takes the first). :func:`choose` picks between them too, with each one's acceptance as
-this request has measured it: under load a copy whose tokens this text keeps rejecting is worth less
-than the assistant's drafts, whose steps are batched with the other slots'.
-
 Choosing n never changes output: every n is verified exactly (greedy, and seeded sampling through
-per-position draws), and either drafter's draft is verified the same way, so only speed depends on it.
+per-position draws), so only speed depends on it.
 """
 
 from __future__ import annotations
@@ -132,9 +126,6 @@ class SlotView:
             by their expected number.
         plain: the acceptance estimates without an exploration bound (``rates`` may carry one, see
             :meth:`Acceptance.rates`): the choice's reported tokens use these; empty: ``rates``.
-        alt: another drafter this slot may draft with instead (a chain's model drafter when a free
-            member has a draft: the n-gram copy or the assistant's prediction), as its own view; the
-            choice picks one of the two per round (:attr:`Choice.alts`). None: no alternative.
     """
 
     cap: int
@@ -145,19 +136,16 @@ class SlotView:
     n_min: int = 0
     cont: Sequence[float] = ()
     plain: Sequence[float] = ()
-    alt: "SlotView | None" = None
 
 
 @dataclass
 class Choice:
-    """The draft length per slot (``ns``, in the order given), which drafter each slot drafts with
-    (``alts[i]``: True for its :attr:`SlotView.alt`; empty: none does), the batch's expected tokens and
-    the predicted seconds of the round (drafting included)."""
+    """The draft length per slot (``ns``, in the order given), the batch's expected tokens and the
+    predicted seconds of the round (drafting included)."""
 
     ns: list[int] = field(default_factory=list)
     tokens: float = 0.0
     seconds: float = 0.0
-    alts: list[bool] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -182,13 +170,11 @@ class Costs(Protocol):
 
 
 def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> Choice:
-    """Each slot's draft length for this round, and for a slot with an alternative drafter which of
-    the two drafts: the choice that maximises expected tokens per second of the whole batch (see the
-    module docstring), searched from the best uniform length (with each slot's first drafter, then
-    with the alternatives) by per-slot improvement; a change must promise more than ``tolerance``
-    (relative) more tokens per second, so near-ties go to drafting less and to the first drafter
-    (estimates are noisy, and a draft that barely pays on paper is not worth its variance). A pure
-    function of its inputs.
+    """Each slot's draft length for this round: the ``n`` that maximises expected tokens per second
+    of the whole batch (see the module docstring), searched from the best uniform length by
+    per-slot improvement; a change must promise more than ``tolerance`` (relative) more tokens per
+    second, so near-ties go to drafting less (estimates are noisy, and a draft that barely pays on
+    paper is not worth its variance). A pure function of its inputs.
 
     Args:
         slots: one :class:`SlotView` per slot in the round.
@@ -196,41 +182,35 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
         tolerance: relative gain a change must bring.
 
     Returns:
-        :class:`Choice` with ``ns[i]`` in ``{0} ∪ [n_min, cap]`` of the view chosen for slot i
-        (``fixed_i`` for a fixed slot, capped at ``cap_i``; a fixed slot keeps its first drafter); its
-        ``tokens`` from each slot's ``plain`` estimates where given.
+        :class:`Choice` with ``ns[i]`` in ``{0} ∪ [n_min_i, cap_i]`` (``fixed_i`` for a fixed slot,
+        capped at ``cap_i``); its ``tokens`` from each slot's ``plain`` estimates where given.
     """
     n = len(slots)
     if n == 0:
         return Choice()
-    # options[i][o]: slot i's o-th drafter (0: its own, 1: its alternative); a fixed slot has one
-    options = [[s] + ([s.alt] if s.alt is not None and s.fixed is None else []) for s in slots]
+    caps = [max(0, s.cap) for s in slots]
 
     def padded(rates, c: int) -> list[float]:  # rates at positions 0..c-1, 0 where none is known
         return list(rates[:c]) + [0.0] * (c - len(rates[:c]))
 
-    caps = [[max(0, v.cap) for v in opts] for opts in options]
-    gain = [[expected_tokens(padded(v.rates, c)) for v, c in zip(opts, cs)] for opts, cs in zip(options, caps)]
-    fixed = [None if s.fixed is None else min(max(0, s.fixed), c[0]) for s, c in zip(slots, caps)]
-    # reach[i][o][j]: probability the drafter produces j tokens when asked for more (its p-min stops)
+    gain = [expected_tokens(padded(s.rates, c)) for s, c in zip(slots, caps)]
+    fixed = [None if s.fixed is None else min(max(0, s.fixed), c) for s, c in zip(slots, caps)]
+    # reach[i][j]: probability slot i's drafter produces j tokens when asked for more (its p-min stops)
     reach = []
-    for opts, cs in zip(options, caps):
-        per = []
-        for v, c in zip(opts, cs):
-            r = [1.0]
-            for j in range(c):
-                r.append(r[-1] * (v.cont[j] if j < len(v.cont) else 1.0))
-            per.append(r)
-        reach.append(per)
-    rows_max = n + sum(max(cs) for cs in caps)
+    for s, c in zip(slots, caps):
+        r = [1.0]
+        for j in range(c):
+            r.append(r[-1] * (s.cont[j] if j < len(s.cont) else 1.0))
+        reach.append(r)
+    rows_max = n + sum(caps)
     verify = [0.0] * (rows_max + 2)
     for r in range(n, rows_max + 1):
         verify[r] = costs.verify_seconds(n, r)
     verify[rows_max + 1] = verify[rows_max]
     over = getattr(costs, "overhead_seconds", None)
     over_idle, over_draft = (over(n, False), over(n, True)) if over is not None else (0.0, 0.0)
-    step = {v.source: [0.0] + [costs.draft_seconds(v.source, b) for b in range(1, n + 1)] + [0.0]
-            for opts in options for v in opts if v.source}
+    step = {s.source: [0.0] + [costs.draft_seconds(s.source, b) for b in range(1, n + 1)] + [0.0]
+            for s in slots if s.source}
     for tab in step.values():
         tab[-1] = tab[-2]
 
@@ -238,67 +218,56 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
         lo = int(x)
         return tab[lo] + (x - lo) * (tab[lo + 1] - tab[lo])
 
-    def seconds(sel) -> float:  # sel[i] = (option, n)
-        total = at(verify, n + sum(sum(reach[i][o][1:k + 1]) for i, (o, k) in enumerate(sel)))
-        total += over_draft if any(k and options[i][o].source for i, (o, k) in enumerate(sel)) else over_idle
+    def seconds(ns) -> float:
+        total = at(verify, n + sum(sum(reach[i][1:k + 1]) for i, k in enumerate(ns)))
+        total += over_draft if any(k and s.source for s, k in zip(slots, ns)) else over_idle
         by_source: dict[str, list[int]] = {}
-        for i, (o, k) in enumerate(sel):
-            v = options[i][o]
-            if k and v.source:
-                if v.batched:
-                    by_source.setdefault(v.source, []).append(i)
+        for i, (s, k) in enumerate(zip(slots, ns)):
+            if k and s.source:
+                if s.batched:
+                    by_source.setdefault(s.source, []).append(i)
                 else:
-                    total += sum(reach[i][o][:k]) * step[v.source][1]
+                    total += sum(reach[i][:k]) * step[s.source][1]
         for src, rows in by_source.items():
-            for j in range(1, max(sel[i][1] for i in rows) + 1):  # step j runs for the slots that drafted j - 1
-                total += at(step[src], sum(reach[i][sel[i][0]][j - 1] for i in rows if sel[i][1] >= j))
+            for j in range(1, max(ns[i] for i in rows) + 1):  # step j runs for the slots that drafted j - 1
+                total += at(step[src], sum(reach[i][j - 1] for i in rows if ns[i] >= j))
         return max(total, 1e-9)
 
-    def score(sel) -> tuple[float, float, float]:
-        t = sum(gain[i][o][k] for i, (o, k) in enumerate(sel))
-        s = seconds(sel)
+    def score(ns) -> tuple[float, float, float]:
+        t = sum(g[k] for g, k in zip(gain, ns))
+        s = seconds(ns)
         return t / s, t, s
 
-    def allowed(i: int, o: int, k: int) -> bool:
-        return k == 0 or k >= options[i][o].n_min
+    def allowed(i: int, k: int) -> bool:
+        return k == 0 or k >= slots[i].n_min
 
-    best = [(0, f if f is not None else 0) for f in fixed]
+    best = [f if f is not None else 0 for f in fixed]
     best_score = score(best)
-    for o in (0, 1):  # the best uniform length first (own drafters, then the alternatives): the start
-        if o and not any(len(opts) > 1 for opts in options):
-            break
-        for k in range(1, max(max(cs) for cs in caps) + 1):
-            trial = []
-            for i, f in enumerate(fixed):
-                oi = o if o < len(options[i]) else 0
-                kk = min(k, caps[i][oi])
-                trial.append((0, f) if f is not None else (oi, kk if allowed(i, oi, kk) else 0))
-            got = score(trial)
-            if got[0] > best_score[0] * (1 + tolerance):
-                best, best_score = trial, got
-    for _ in range(3):  # then each slot's own drafter and length, the others held
+    for k in range(1, max(caps) + 1):  # the best uniform length first: the search's starting point
+        trial = [f if f is not None else (min(k, c) if allowed(i, min(k, c)) else 0)
+                 for i, (f, c) in enumerate(zip(fixed, caps))]
+        got = score(trial)
+        if got[0] > best_score[0] * (1 + tolerance):
+            best, best_score = trial, got
+    for _ in range(3):  # then each slot's own length, the others held
         changed = False
         for i in range(n):
-            if fixed[i] is not None:
+            if fixed[i] is not None or caps[i] == 0:
                 continue
-            for o in range(len(options[i])):
-                for k in range(caps[i][o] + 1):
-                    if (k == 0 and best[i][1] == 0) or (o, k) == best[i] or not allowed(i, o, k):
-                        continue
-                    trial = list(best)
-                    trial[i] = (o if k else 0, k)
-                    got = score(trial)
-                    if got[0] > best_score[0] * (1 + tolerance):
-                        best, best_score, changed = trial, got, True
+            for k in range(caps[i] + 1):
+                if k == best[i] or not allowed(i, k):
+                    continue
+                trial = list(best)
+                trial[i] = k
+                got = score(trial)
+                if got[0] > best_score[0] * (1 + tolerance):
+                    best, best_score, changed = trial, got, True
         if not changed:
             break
-    best = [(o if k else 0, k) for o, k in best]
     tokens = best_score[1]
-    if any(v.plain for opts in options for v in opts):  # the prediction reported: without the exploration bound
-        tokens = sum(expected_tokens(padded(options[i][o].plain or options[i][o].rates, caps[i][o]))[k]
-                     for i, (o, k) in enumerate(best))
-    alts = [o == 1 for o, _ in best]
-    return Choice([k for _, k in best], tokens, best_score[2], alts if any(alts) else [])
+    if any(s.plain for s in slots):  # the prediction reported: the estimates without the exploration bound
+        tokens = sum(expected_tokens(padded(s.plain or s.rates, c))[k] for s, c, k in zip(slots, caps, best))
+    return Choice(best, tokens, best_score[2])
 
 
 class CostModel:

@@ -3,8 +3,7 @@
 Each round the scheduler hands the planner its active requests; the planner asks every slot's
 drafter for what it drafts at no cost (:func:`~.batch.preview`), chooses each slot's draft length
 from measured costs (:func:`~.chooser.choose`; a request that does not choose drafts its own fixed
-length) and, where a chain's n-gram lookup found a draft, whether the chain's assistant drafts
-instead (:func:`~.batch.model_alternative`), drafts with the models for all slots at once (:func:`~.batch.draft_batch`) and starts each
+length), drafts with the models for all slots at once (:func:`~.batch.draft_batch`) and starts each
 request's round with its draft. After the target forward and verification it learns the round's
 time and each slot's acceptance (:meth:`RoundPlanner.finish`). Its figures (last choice per slot,
 predicted and measured tokens per second) feed ``/slots``, ``/metrics`` and ``gemmaspec bench``.
@@ -15,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .batch import Preview, draft_batch, model_alternative, preview
+from .batch import Preview, draft_batch, preview
 from .chooser import EXPLORE, Acceptance, Choice, CostModel, SlotView, choose
 from .drafters import Draft, NoDrafter
 from .options import MAX_DRAFT_TOKENS
@@ -57,7 +56,6 @@ class SlotPlan:
     choosing: bool = False
     chose: bool = False  # choosing, and it could draft this round (a length was chosen for it)
     generated: int = 0  # the request's generated tokens when the round began
-    alt: Preview | None = None  # the chain's model drafter, which the choice may take instead
 
 
 class RoundPlanner:
@@ -126,10 +124,8 @@ class RoundPlanner:
             cost = self.cost  # calibrated on first use (about a second, once): not this round's planning
             self._t0 += time.perf_counter() - t
             self._choice = choose([p.view for p in live], cost)
-            for i, (p, n) in enumerate(zip(live, self._choice.ns)):
+            for p, n in zip(live, self._choice.ns):
                 p.n = n
-                if self._choice.alts and self._choice.alts[i]:  # the chain's model drafts this round
-                    p.preview, p.view = p.alt, p.view.alt
         else:
             self._choice = Choice()
             for p in live:
@@ -163,32 +159,17 @@ class RoundPlanner:
         its ``n_max`` is then a bound) or drafts its own fixed length."""
         choosing = bool(st.options.choose_n) and st.options.n_max != 0 and not isinstance(st.drafter, NoDrafter)
         room = st.draft_room()
-        ctx = st.draft_context() if room > 0 else None
-        pv = preview(st.drafter, ctx, room) if ctx is not None else Preview()
+        pv = preview(st.drafter, st.draft_context(), room) if room > 0 else Preview()
         cap = min(room, pv.cap)
         view = SlotView(cap, (), pv.source if pv.model is not None else "", pv.batched,
                         None if choosing else min(st.fixed_n(), cap), st.options.n_min)
         chose = choosing and cap > 0
-        alt = None
         if chose:
-            self._estimates(key, pv, view, cap)
-            alt = model_alternative(st.drafter, ctx, pv)
-            if alt is not None:
-                alt_cap = min(room, alt.cap)
-                view.alt = SlotView(alt_cap, (), alt.source, alt.batched, None, st.options.n_min)
-                # without the exploration bound: the copy is drafted either way, so nothing starves,
-                # and a thin record's bound would trade good copies for tries of the assistant
-                self._estimates(key, alt, view.alt, alt_cap, explore=0.0)
-        return SlotPlan(key, st, pv, view, choosing=choosing, chose=chose, generated=st.stats.generated_tokens,
-                        alt=alt)
-
-    def _estimates(self, key: int, pv: Preview, view: SlotView, cap: int, explore: float = EXPLORE) -> None:
-        """Slot ``key``'s acceptance estimates for the drafter of ``pv`` into ``view`` (the first
-        position's with an upper confidence bound of width ``explore``)."""
-        acc = self._acceptance(key, pv.source)
-        view.rates, view.plain = acc.rates(cap, explore), acc.rates(cap)
-        if pv.model is not None:
-            view.cont = self._acceptance(key, pv.source, "cont").rates(cap)
+            acc = self._acceptance(key, pv.source)
+            view.rates, view.plain = acc.rates(cap, EXPLORE), acc.rates(cap)
+            if pv.model is not None:
+                view.cont = self._acceptance(key, pv.source, "cont").rates(cap)
+        return SlotPlan(key, st, pv, view, choosing=choosing, chose=chose, generated=st.stats.generated_tokens)
 
     def _draft(self, plans: list, results: list) -> dict:
         """The model drafters' drafts of this round, by slot position (batched across slots); a
