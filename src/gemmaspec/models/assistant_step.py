@@ -24,8 +24,8 @@ P = ctypes.c_void_p
 
 class _ALayer(ctypes.Structure):
     _fields_ = [("attn_norm", P), ("q_norm", P), ("post_attn_norm", P), ("ffn_norm", P), ("post_ffn_norm", P),
-                ("out_scale", ctypes.c_float), ("q", _Prod), ("o", _Prod), ("gate_up", _Prod), ("down", _Prod), ("hd", ctypes.c_int), ("k", P), ("v", P), ("L", ctypes.c_int), ("mask", P),
-                ("cos", P), ("sin", P)]
+                ("out_scale", ctypes.c_float), ("q", _Prod), ("o", _Prod), ("gate_up", _Prod), ("down", _Prod),
+                ("hd", ctypes.c_int), ("k", P), ("v", P), ("L", ctypes.c_int), ("mask", P), ("cos", P), ("sin", P)]
 
 
 _MATS = ("attn_q", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -153,7 +153,7 @@ class Rows:
     """
 
     def __init__(self, arr, n: int, nl: int, keep: list, q8: bool):
-        self._arr, self.n, self._nl, self._keep = arr, n, nl, keep  # keep: the RoPE rows the C call reads
+        self._arr, self.n, self._nl, self._keep = arr, n, nl, keep  # keep: the tensors the C call reads
         self.q8 = q8  # the activation mode whose weight layouts the array points into
         self._size = ctypes.sizeof(_ALayer) * nl
 
@@ -198,7 +198,7 @@ def prepare_rows(assistant, kvs: list, ropes: list) -> Rows | None:
             if keys.dim() != 3 or keys.shape[1] != c.num_kv_heads:  # one KV-head count for all layers (run_step)
                 return None
             tables[kind] = tuple(t.contiguous() for t in ropes[r][kind])
-        keep.append(tables)
+        keep.append((tables, kvs[r]))  # the RoPE rows, keys, values and masks the array points into
         ctypes.memmove(ctypes.addressof(arr) + r * ctypes.sizeof(base), base, ctypes.sizeof(base))
         for i in range(nl):
             kind = c.layer_types[i]
