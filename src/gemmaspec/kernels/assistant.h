@@ -155,7 +155,8 @@ typedef struct {
 
 static void as_pick_task(void *ctx, int r) {
     const as_pick_job *j = (const as_pick_job *)ctx;
-    head_pick(j->scores + (size_t)r * j->n_head, j->n_head, j->token_map, j->best + r, j->p_best ? j->p_best + r : NULL);
+    head_pick(j->scores + (size_t)r * j->n_head, j->n_head, j->token_map, j->best + r,
+              j->p_best ? j->p_best + r : NULL);
 }
 
 /* One draft step for B sequences at once (several slots' rounds): row b reads its own target K/V, mask
