@@ -5,7 +5,8 @@ online corrections; acceptance by position."""
 
 import pytest
 
-from gemmaspec.speculative.chooser import Acceptance, CostModel, SlotView, choose, expected_tokens
+from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, PRIOR_WEIGHT, Acceptance, CostModel, SlotView, choose,
+                                           expected_tokens, explore_width)
 
 
 class FakeCosts:
@@ -208,7 +209,7 @@ def test_a_thin_own_record_is_explored_instead_of_inheriting_a_low_pooled_estima
     assert plain[0] < 0.25
     p = plain[0]
     assert bound[0] == pytest.approx(p + (p * (1 - p) / 1.0) ** 0.5)
-    assert bound[1:] == plain[1:]
+    assert all(b == pytest.approx(min(1.0, q + (q * (1 - q)) ** 0.5)) for b, q in zip(bound, plain))
     costs = FakeCosts(base=0.010, per_row=0.003, step0=0.0005)
     assert choose([SlotView(3, plain, "draft-mtp")], costs).ns == [0]
     assert choose([SlotView(3, bound, "draft-mtp")], costs).ns[0] > 0
@@ -217,6 +218,52 @@ def test_a_thin_own_record_is_explored_instead_of_inheriting_a_low_pooled_estima
     p = mine.rates(1)[0]
     assert p > 0.9
     assert mine.rates(1, explore=1.0)[0] - p < 0.3 * (p * (1 - p)) ** 0.5 + 1e-9
+
+
+def test_untested_later_positions_are_explored_too():
+    """A request that drafted only 1 token has tested position 1 only: its bound there is narrow,
+    the untested positions keep a wide one, so a thin record of long drafts does not stay thin
+    because the pool's later positions were poor."""
+    pooled = Acceptance(4, decay=1.0, weight=2.0)
+    for _ in range(40):
+        pooled.update(3, 1)  # others: the first draft token accepted, the second not
+    mine = Acceptance(4, parent=pooled, weight=PRIOR_WEIGHT)
+    for _ in range(10):
+        mine.update(1, 1)  # its own rounds drafted 1 token each, all accepted
+    plain, bound = mine.rates(3), mine.rates(3, explore=1.0)
+    assert plain[0] > 0.8 and plain[1] < 0.1
+    widths = [b - q for b, q in zip(bound, plain)]
+    assert widths[0] < 0.15  # tested ten times
+    assert bound[1] == pytest.approx(plain[1] + (plain[1] * (1 - plain[1])) ** 0.5)  # never tested
+    assert widths[1] > 2 * widths[0]
+
+
+def test_exploration_narrows_as_slots_are_added():
+    assert explore_width(1) == EXPLORE
+    widths = [explore_width(s) for s in (1, 2, 4, 8, 16)]
+    assert widths == sorted(widths, reverse=True) and widths[0] > widths[1]
+    assert widths[3] == pytest.approx(EXPLORE / 8 ** EXPLORE_SLOTS)
+    # a request whose first drafts failed: at one slot its bound still buys a draft; at 8 slots the
+    # full width would have every slot draft 3, the narrowed one drafts nothing
+    thin = Acceptance(4, parent=Acceptance(4), weight=PRIOR_WEIGHT)
+    for _ in range(3):
+        thin.update(3, 0)
+    costs = FakeCosts(base=0.030, per_row=0.0015, step0=0.0005)
+    assert choose([SlotView(3, thin.rates(3, EXPLORE), "draft-mtp") for _ in range(8)], costs).ns == [3] * 8
+    views = [SlotView(3, thin.rates(3, explore_width(8)), "draft-mtp") for _ in range(8)]
+    assert choose(views, costs).ns == [0] * 8
+    assert choose([SlotView(3, thin.rates(3, explore_width(1)), "draft-mtp")], costs).ns[0] > 0
+
+
+def test_one_missed_draft_moves_a_request_estimate_by_a_third():
+    pooled = Acceptance(4, decay=1.0, weight=2.0)
+    for _ in range(50):
+        pooled.update(1, 1)
+    mine = Acceptance(4, parent=pooled, weight=PRIOR_WEIGHT)
+    p = pooled.rates(1)[0]
+    mine.update(1, 0)
+    assert mine.rates(1)[0] == pytest.approx(p * PRIOR_WEIGHT / (PRIOR_WEIGHT + 1))
+    assert PRIOR_WEIGHT == 2.0
 
 
 def test_the_reported_tokens_use_the_estimates_without_the_exploration_bound():

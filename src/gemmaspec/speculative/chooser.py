@@ -34,8 +34,24 @@ PRIOR_FIRST = 0.85
 """Prior acceptance of a first draft token (the adaptive controller's), before anything is measured."""
 
 EXPLORE = 1.0
-"""Width of the upper confidence bound on a request's first-position acceptance the planner chooses
-with (:meth:`Acceptance.rates`'s ``explore``)."""
+"""Width of the upper confidence bound on a request's acceptance the planner chooses with at one slot
+(:meth:`Acceptance.rates`'s ``explore``); with S slots it is ``EXPLORE / S ** EXPLORE_SLOTS``
+(:func:`explore_width`)."""
+
+EXPLORE_SLOTS = 1.5
+"""How fast exploration narrows with the slots of a round: a slot's extra rows cost the whole batch's
+round while its tokens are one slot's share, so what a test of a longer draft is worth falls with
+the load faster than its price (chosen in ``benchmarks/chooser_sim.py``'s replays: 1 gave 0.978-0.983
+of the best fixed length, 1.5 0.980-0.987, 2 0.985; without the division 0.953)."""
+
+PRIOR_WEIGHT = 2.0
+"""Weight, in rounds, of the pooled estimate in a request's own (:class:`Acceptance`'s ``weight``):
+one missed draft moves a position's estimate by a third, not a half."""
+
+
+def explore_width(slots: int) -> float:
+    """The exploration bound's width for a round of ``slots`` slots (see :data:`EXPLORE_SLOTS`)."""
+    return EXPLORE / max(1, slots) ** EXPLORE_SLOTS
 
 
 class Acceptance:
@@ -62,10 +78,11 @@ class Acceptance:
     def rates(self, k: int, explore: float = 0.0) -> list[float]:
         """Estimated acceptance at positions 0..k-1 (k capped at ``n_cap``).
 
-        ``explore`` > 0 raises position 0's estimate by ``explore * sqrt(p (1 - p) / (t + 1))``, t its
-        own (decayed) tests, capped at 1: an upper confidence bound, as bandit algorithms use, so that
-        a request whose own record is thin drafts and learns instead of inheriting a low pooled
-        estimate forever (a round that drafts nothing tests nothing). It fades as its own tests
+        ``explore`` > 0 raises each position's estimate p by ``explore * sqrt(p (1 - p) / (t + 1))``, t
+        that position's own (decayed) tests, capped at 1: an upper confidence bound, as bandit
+        algorithms use, so that a request whose own record is thin drafts (and drafts long enough)
+        to learn instead of inheriting a low pooled estimate forever (a round that drafts nothing
+        tests nothing, one that drafts 1 token never tests position 2). It fades as its own tests
         accumulate, and returns when they fade (:meth:`tick`)."""
         k = min(k, self.n_cap)
         prior = self.parent.rates(k) if self.parent is not None else None
@@ -74,9 +91,8 @@ class Acceptance:
             p = prior[i] if prior is not None else prev
             prev = (self.acc[i] + self.weight * p) / (self.reached[i] + self.weight)
             out.append(prev)
-        if out and explore > 0:
-            p = out[0]
-            out[0] = min(1.0, p + explore * math.sqrt(p * (1.0 - p) / (self.reached[0] + 1.0)))
+        if explore > 0:
+            out = [min(1.0, p + explore * math.sqrt(p * (1.0 - p) / (t + 1.0))) for p, t in zip(out, self.reached)]
         return out
 
     def tick(self) -> None:

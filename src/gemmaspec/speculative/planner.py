@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from .batch import Preview, draft_batch, preview
-from .chooser import EXPLORE, Acceptance, Choice, CostModel, SlotView, choose
+from .chooser import PRIOR_WEIGHT, Acceptance, Choice, CostModel, SlotView, choose, explore_width
 from .drafters import Draft, NoDrafter
 from .options import MAX_DRAFT_TOKENS
 
@@ -101,7 +101,7 @@ class RoundPlanner:
         name = (source, what)
         if name not in mine:
             parent = self.pooled.setdefault(name, Acceptance(MAX_DRAFT_TOKENS + 1, decay=0.99, weight=2.0))
-            mine[name] = Acceptance(MAX_DRAFT_TOKENS + 1, parent=parent)
+            mine[name] = Acceptance(MAX_DRAFT_TOKENS + 1, parent=parent, weight=PRIOR_WEIGHT)
         return mine[name]
 
     def begin(self, slots: list[tuple[int, object]]) -> list:
@@ -114,7 +114,7 @@ class RoundPlanner:
         results: list = [None] * len(slots)
         for i, (key, st) in enumerate(slots):
             try:
-                plans.append(self._view(key, st))
+                plans.append(self._view(key, st, len(slots)))
             except Exception as exc:  # noqa: BLE001 - this slot fails, the others go on
                 plans.append(None)
                 results[i] = exc
@@ -153,10 +153,11 @@ class RoundPlanner:
         self._plans = live
         return results
 
-    def _view(self, key: int, st) -> SlotPlan:
-        """Slot ``key``'s part of the round: what its drafter drafts for free, how far it may draft,
-        its acceptance estimates, and whether it chooses (a request that speculates with ``choose_n``:
-        its ``n_max`` is then a bound) or drafts its own fixed length."""
+    def _view(self, key: int, st, slots: int = 1) -> SlotPlan:
+        """Slot ``key``'s part of a round of ``slots`` slots: what its drafter drafts for free, how far
+        it may draft, its acceptance estimates (the choice's with an exploration bound that narrows
+        with ``slots``), and whether it chooses (a request that speculates with ``choose_n``: its
+        ``n_max`` is then a bound) or drafts its own fixed length."""
         choosing = bool(st.options.choose_n) and st.options.n_max != 0 and not isinstance(st.drafter, NoDrafter)
         room = st.draft_room()
         pv = preview(st.drafter, st.draft_context(), room) if room > 0 else Preview()
@@ -166,7 +167,7 @@ class RoundPlanner:
         chose = choosing and cap > 0
         if chose:
             acc = self._acceptance(key, pv.source)
-            view.rates, view.plain = acc.rates(cap, EXPLORE), acc.rates(cap)
+            view.rates, view.plain = acc.rates(cap, explore_width(slots)), acc.rates(cap)
             if pv.model is not None:
                 view.cont = self._acceptance(key, pv.source, "cont").rates(cap)
         return SlotPlan(key, st, pv, view, choosing=choosing, chose=chose, generated=st.stats.generated_tokens)
