@@ -41,8 +41,8 @@ EXPLORE = 1.0
 EXPLORE_SLOTS = 1.5
 """How fast exploration narrows with the slots of a round: a slot's extra rows cost the whole batch's
 round while its tokens are one slot's share, so what a test of a longer draft is worth falls with
-the load faster than its price (chosen in ``benchmarks/chooser_sim.py``'s replays: 1 gave 0.978-0.983
-of the best fixed length, 1.5 0.980-0.987, 2 0.985; without the division 0.953)."""
+the load faster than its price (chosen with ``benchmarks/chooser_sim.py``'s replays of the bench's
+rounds; docs/server.md, "Replaying the choice offline")."""
 
 PRIOR_WEIGHT = 2.0
 """Weight, in rounds, of the pooled estimate in a request's own (:class:`Acceptance`'s ``weight``):

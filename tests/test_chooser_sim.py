@@ -1,0 +1,47 @@
+"""benchmarks/chooser_sim.py: the offline replay of the server's rounds that chose the planner's
+exploration and prior weight. Its round arithmetic and its "known acceptance" rates must be right for
+its comparisons to mean anything."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import chooser_sim as sim  # noqa: E402
+
+COSTS = {"calibration_s": [0.010, 0.012, 0.014, 0.016], "verify_s": {"1,1": 0.010, "1,4": 0.016},
+         "draft_s": {"draft-mtp,1": 0.001}, "overhead_s": {"1,1": 0.0005, "1,0": 0.0}}
+
+
+def test_a_fixed_length_replay_keeps_one_plus_the_accepted_prefix_per_round():
+    truth = sim.Truth(COSTS)
+    assert truth.verify(1, 1) == pytest.approx(0.010) and truth.verify(1, 4) == pytest.approx(0.016)
+    assert truth.verify(1, 2) == pytest.approx(0.012)  # on the line through the measured rows
+    positions = {str(g): [3, 2, "draft-mtp"] for g in range(1, 47)}  # 3 drafted, the first 2 accepted
+    pl = sim.SimPlanner(truth)
+    seconds, tokens, chosen = sim.simulate_phase(pl, positions, 1, "draft-mtp", 3, False, 48, random.Random(0), 0.0)
+    # rounds at generated 1, 4, ..., 43 keep 3 tokens each (15 rounds, 45 tokens); at 46 the room is 1
+    # draft token: it keeps 2 -> 48 in all, 47 of them after the prefill's first
+    assert tokens == 47 and not chosen
+    expect = 15 * (truth.verify(1, 4) + 3 * 0.001 + 0.0005) + (truth.verify(1, 2) + 0.001 + 0.0005)
+    assert seconds == pytest.approx(expect)
+
+
+def test_a_model_that_stops_early_drafts_and_steps_only_what_it_drafted():
+    truth = sim.Truth(COSTS)
+    positions = {str(g): [1, 1, "draft-mtp"] for g in range(1, 47)}  # its p-min stops after 1 token
+    seconds, tokens, _ = sim.simulate_phase(sim.SimPlanner(truth), positions, 1, "draft-mtp", 3, False, 48,
+                                            random.Random(0), 0.0)
+    assert tokens == 47
+    # rounds at generated 1, 3, ..., 45: 2 rows verified, 2 draft steps (the second the one its p-min
+    # stopped); at 47 no room to draft: a plain step
+    assert seconds == pytest.approx(23 * (truth.verify(1, 2) + 2 * 0.001 + 0.0005) + truth.verify(1, 1))
+
+
+def test_known_acceptance_is_the_traces_conditional_rate():
+    positions = {"1": [3, 2, "draft-mtp"], "2": [3, 0, "draft-mtp"], "3": [2, 2, "draft-mtp"], "4": [3, 3, "draft-mtp"]}
+    rates = sim._true_rates(positions, "draft-mtp")
+    assert rates[("draft-mtp", "gain")] == pytest.approx([3 / 4, 3 / 3, 1 / 3])
+    assert rates[("draft-mtp", "cont")] == pytest.approx([1.0, 1.0, 3 / 4])
