@@ -247,6 +247,7 @@ def simulate_phase(pl: SimPlanner, positions: dict, users: int, spec_type: str, 
     for s in range(users):
         pl.per_slot[s] = {}
     seconds, tokens, chosen = 0.0, 0, collections.Counter()
+
     def jitter() -> float:  # a machine's timing noise: lognormal, and a 1.5x stall in 2% of the parts
         return math.exp(rng.gauss(0.0, noise)) * (1.5 if rng.random() < 0.02 else 1.0) if noise > 0 else 1.0
     while True:
