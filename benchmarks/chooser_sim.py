@@ -225,8 +225,7 @@ class SimPlanner:
     def __init__(self, truth: Truth, acceptance=None, cost_model=None):
         self.truth = truth
         self.cost = (cost_model or CostModel)(truth.cal)
-        self.make_acc = acceptance or (lambda parent=None: Acceptance(MAX_DRAFT_TOKENS + 1, parent=parent) if parent
-                                       else Acceptance(MAX_DRAFT_TOKENS + 1, decay=0.99, weight=2.0))
+        self.make_acc = acceptance or _variant("base")[0]  # default: the shipped planner's estimates
         self.pooled: dict = {}
         self.per_slot: dict = {}
 
@@ -373,6 +372,8 @@ def _variant(name: str):
     if name not in ("base", "oracle"):
         for part in name.split("+"):
             k, val = part.split("=")
+            if k not in VARIANT:
+                raise KeyError(k)
             v[k] = float(val)
     acc_cls = Acceptance if v["ea"] else _FirstOnly
     make = lambda parent=None: (acc_cls(MAX_DRAFT_TOKENS + 1, decay=v["d"], parent=parent, weight=v["w"])  # noqa: E731
@@ -398,14 +399,31 @@ def _true_rates(pos: dict, spec_type: str, n: int = 3) -> dict:
     return out
 
 
+def _load(name: str, what: str) -> dict:
+    """benchmarks/results/<name>.json, or a one-line exit saying which file is missing and what makes it."""
+    path = ROOT / "benchmarks" / "results" / f"{name}.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"error: no {what} {path}: make it with `python benchmarks/chooser_sim.py "
+                         f"{'trace' if what == 'trace' else 'costs'} --out {name}`") from None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: cannot read the {what} {path}: {exc}") from None
+
+
 def sim(args) -> None:
+    try:
+        _variant(args.variant)
+    except (ValueError, KeyError):
+        raise SystemExit(f"error: --variant {args.variant!r}: use base, before, oracle or key=value+... with keys "
+                         f"{', '.join(VARIANT)}") from None
     tr = {"kinds": {}}
     for name in args.trace.split(","):  # several traces: their kinds side by side
-        one = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+        one = _load(name, "trace")
         tr["max_tokens"] = one["max_tokens"]
         for kind, v in one["kinds"].items():
             tr["kinds"][f"{kind}/{name}" if "," in args.trace else kind] = v
-    truth = Truth(json.loads((ROOT / "benchmarks" / "results" / f"{args.costs}.json").read_text()))
+    truth = Truth(_load(args.costs, "costs file"))
     kinds = list(tr["kinds"])
     users = [int(u) for u in args.users.split(",")]
     configs = [(0, False), (1, False), (2, False), (3, False), (3, True)]
@@ -424,7 +442,10 @@ def sim(args) -> None:
                         sec, tok, _ = simulate_phase(pl, pos, u, st, n, ch, tr["max_tokens"], rng, args.noise,
                                                          chooser, oracle, v["e"], v["es"])
                         res[(st, u, kind, f"choose{n}" if ch else str(n))].append(tok / sec)
-    lines = [f"# Simulated bench rounds ({args.runs} runs, timing noise {args.noise})", "",
+    command = (f"python benchmarks/chooser_sim.py sim --trace {args.trace} --costs {args.costs} --runs {args.runs} "
+               f"--noise {args.noise} --users {args.users} --variant {args.variant}")
+    lines = [f"# Simulated bench rounds: variant {args.variant} ({args.runs} runs, timing noise {args.noise})", "",
+             f"`{command}`", "",
              "| drafter | users | chosen / best fixed (mean over kinds) | min | kinds < 0.97 | chosen vs none |",
              "|---|---:|---:|---:|---:|---:|"]
     summary = {}
@@ -443,7 +464,8 @@ def sim(args) -> None:
                          f"{sum(r < 0.97 for r in ratios)} | {statistics.mean(speed):.2f}x |")
     print("\n".join(lines))
     if args.out:
-        write_results(args.out, {"machine": machine(), "trace": args.trace, "costs": args.costs, "runs": args.runs,
+        write_results(args.out, {"machine": machine(), "command": command, "variant": args.variant,
+                                 "trace": args.trace, "costs": args.costs, "runs": args.runs,
                                  "noise": args.noise, "kinds": kinds, "summary": summary}, "\n".join(lines))
 
 
