@@ -34,7 +34,8 @@ import torch
 
 from common import machine, median, write_results
 
-from gemmaspec.kernels import auto_q8_head, resolve_act_quant
+from gemmaspec.kernels import auto_q8_head, auto_q8_layers, resolve_act_quant
+from gemmaspec.loading import product_weights
 from gemmaspec.loading.engine import set_threads, step_bytes
 from gemmaspec.loading.gguf import load_gguf
 from gemmaspec.models.base import PREFILL_CHUNK
@@ -108,8 +109,11 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     model, vocab = loaded.model, loaded.config.vocab_size
     act = resolve_act_quant(step_bytes(model))  # as load_engine does: --act-quant auto by the model's size
-    if auto_q8_head(step_bytes(model), getattr(model, "head", None)):  # as load_checkpoint does
+    head = getattr(model, "head", None)
+    if auto_q8_head(step_bytes(model), head):  # as load_checkpoint does
         act += " (head q8_0)"
+    if auto_q8_layers(step_bytes(model), [w for w in product_weights(model) if w is not head]):
+        act += " (x8 layers q8_0)"
     warm = model.new_cache(64)
     model.forward(_ids(8, vocab, 0), warm)  # compiles the kernel if needed, starts the background regroup
     for th in threading.enumerate():  # timings below see the regrouped layout, as a long-running process does

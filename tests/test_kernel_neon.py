@@ -83,7 +83,8 @@ def test_neon_path_equals_the_portable_reference(harness, qtype):
 
 
 @pytest.mark.parametrize("dotprod", [False, True])
-@pytest.mark.parametrize("qtype", kernels.STORED_TYPES + ("Q4_0x8", "Q8_0x8", "int8-32-offsets"))
+@pytest.mark.parametrize("qtype", kernels.STORED_TYPES + ("Q4_0x8", "Q8_0x8", "Q5_0x8", "Q4_Kx8", "Q6_Kx8",
+                                            "int8-32-offsets"))
 def test_neon_int8_activation_path_equals_the_portable_reference(harness, harness_dotprod, qtype, dotprod):
     from test_kernel_q8 import q8_product, weight
 

@@ -16,7 +16,7 @@ from test_stored_weights import random_blocks
 from gemmaspec import kernels
 
 SIMD = [isa for isa in ("avx2", "avx512") if kernels.cpu_supports(isa)]
-FORMATS = kernels.STORED_TYPES + ("Q4_0x8", "Q8_0x8", "int8-32", "int8-32-offsets")
+FORMATS = kernels.STORED_TYPES + ("Q4_0x8", "Q8_0x8", "Q5_0x8", "Q4_Kx8", "Q6_Kx8", "int8-32", "int8-32-offsets")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def weight(rng, fmt: str, n: int, k: int) -> kernels.BlockWeight:
         s = torch.from_numpy(rng.standard_normal((n, k // 32)).astype(np.float32))
         o = torch.from_numpy(rng.standard_normal((n, k // 32)).astype(np.float32)) if "offsets" in fmt else None
         return kernels.QuantizedWeight(q, s, o, 32)
-    if fmt.endswith("x8"):  # Q4_0 / Q8_0 with a multiple of 8 rows: repacked 8 rows at a time for these products
+    if fmt.endswith("x8"):  # a multiple of 8 rows: repacked 8 rows at a time for these products (x8.h)
         n = -(-n // 8) * 8
         fmt = fmt[:-2]
     return kernels.StoredWeight(torch.from_numpy(random_blocks(rng, fmt, n, k)), fmt, k)
@@ -72,7 +72,7 @@ def quantize(lib, x: np.ndarray):
 def test_simd_paths_equal_the_portable_reference(libs, fmt, n, supers, m, threads, seed):
     ref, built = libs
     rng = np.random.default_rng(seed)
-    k = 256 * supers if fmt in ("Q4_K", "Q6_K") else 32 * rng.integers(1, 12)  # odd block counts too
+    k = 256 * supers if fmt[:4] in ("Q4_K", "Q6_K") else 32 * rng.integers(1, 12)  # odd block counts too
     w = weight(rng, fmt, n, int(k))
     x = (rng.standard_normal((m, int(k))) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
     want = q8_product(ref, w, x, threads)
@@ -162,8 +162,8 @@ def test_auto_picks_int8_activations_for_big_models_only():
 
 
 def test_auto_gives_a_mid_sized_models_head_int8_activations_for_every_row_count(engine):
-    """Under ``auto`` the default model (235 MiB per step) keeps fp32 layers but its head multiplies int8
-    activations, for any number of rows: a logits row is the same from a 1-row decode, a verify and a
+    """Under ``auto`` the default model (235 MiB per step) keeps fp32 activations in its Q4_K / Q6_K layer
+    products but its head multiplies int8 activations, for any number of rows: a logits row is the same from a 1-row decode, a verify and a
     20-row prefill (so cached and fresh prompts agree), and differs from the fp32 product; an explicit
     ``none`` still rules, and smaller or larger models are not marked."""
     if kernels.load_library() is None:
@@ -244,7 +244,7 @@ def test_cli_flag_sets_the_mode(model_path, capsys):
     assert capsys.readouterr().out.strip()  # it generated text
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0x8", "Q8_0x8"])
+@pytest.mark.parametrize("fmt", ["Q4_0x8", "Q8_0x8", "Q5_0x8", "Q4_Kx8", "Q6_Kx8"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16, 17, 23])
 def test_two_groups_per_pass_give_the_same_bits(libs, fmt, m):
     """The AVX-512 path runs two groups of 8 repacked rows per pass once x has 2+ rows (each activation
@@ -253,8 +253,9 @@ def test_two_groups_per_pass_give_the_same_bits(libs, fmt, m):
     row alone gives its bits in the batch."""
     ref, built = libs
     rng = np.random.default_rng(m)
-    w = weight(rng, fmt, 40, 32 * 7)
-    x = rng.standard_normal((m, 32 * 7)).astype(np.float32)
+    k = 512 if fmt[:4] in ("Q4_K", "Q6_K") else 32 * 7
+    w = weight(rng, fmt, 40, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
     want = q8_product(ref, w, x, 2)
     for isa, lib in built.items():
         assert np.array_equal(bits(q8_product(lib, w, x, 2)), bits(want)), isa
@@ -292,4 +293,127 @@ def test_repacked_8_rows_at_a_time(qtype):
                          3, y.ctypes.data, 1)
     assert np.array_equal(bits(y), bits(fp))
     odd = kernels.StoredWeight(torch.from_numpy(random_blocks(rng, qtype, 13, 64)), qtype, 64)
+    assert odd._segments_q8(lib)[0][0] == kernels._FMT[qtype]
+
+
+def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 rows as the Q8_0 blocks of the same values (d as stored, the 32 levels as int8), in numpy
+    (ggml-common.h's block_q5_0: d, qh[4], qs[16]; value j < 16 the low nibble of qs[j] with bit j of qh
+    above it, value j + 16 the high nibble with bit j + 16, minus 16)."""
+    n = raw.shape[0]
+    b = raw.reshape(-1, 22)
+    qh = b[:, 2:6].copy().view("<u4")[:, 0]
+    lev = np.empty((b.shape[0], 32), np.int16)
+    for j in range(16):
+        lev[:, j] = (b[:, 6 + j] & 15) | (((qh >> j) & 1) << 4)
+        lev[:, j + 16] = (b[:, 6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)
+    return np.concatenate([b[:, :2], (lev - 16).astype(np.int8).view(np.uint8)], axis=1).reshape(n, -1)
+
+
+def test_q5_0_repacks_as_the_q8_0_blocks_of_its_values():
+    """A Q5_0 weight with a multiple of 8 rows is repacked for the int8-activation products into the
+    Q8_0 x8 layout (its levels fit int8 exactly): 34 bytes per block against 22, products bit for bit
+    those of the Q8_0 weight holding the same values, for every row count and alone or in a batch;
+    dequantization, row lookups and the fp32 products read from the copy give the stored Q5_0's values
+    and bits; rows that are not a multiple of 8 keep the stored layout."""
+    lib = kernels.load_library()
+    if lib is None:
+        pytest.skip("no C compiler")
+    rng = np.random.default_rng(21)
+    raw = random_blocks(rng, "Q5_0", 48, 320)
+    w = kernels.StoredWeight(torch.from_numpy(raw.copy()), "Q5_0", 320)
+    plain = kernels.StoredWeight(torch.from_numpy(raw.copy()), "Q5_0", 320)
+    as_q8 = kernels.StoredWeight(torch.from_numpy(q5_0_as_q8_0(raw)), "Q8_0", 320)
+    assert torch.equal(as_q8.dequantize(), plain.dequantize())  # the conversion is exact
+    (fmt, x8, *_), = w._segments_q8(lib)
+    assert fmt == kernels._X8["Q8_0"] and tuple(x8.shape) == (48, 10 * 34)
+    assert torch.equal(x8, as_q8._segments_q8(lib)[0][1])  # the very bytes of the Q8_0 weight's copy
+    x = rng.standard_normal((19, 320)).astype(np.float32)
+    got = q8_product(lib, w, x, 2)
+    assert np.array_equal(bits(got), bits(q8_product(lib, as_q8, x, 2)))
+    for i in (0, 5, 18):
+        assert np.array_equal(bits(q8_product(lib, w, x[i:i + 1].copy(), 1)), bits(got[i:i + 1]))
+    assert torch.equal(w.dequantize(), plain.dequantize())  # now read from the copy
+    ids = torch.tensor([0, 7, 8, 47, 21])
+    assert torch.equal(w.rows(ids), plain.rows(ids))
+    y = np.empty((3, 48), np.float32)
+    P, I1 = ctypes.c_void_p * 1, ctypes.c_int * 1
+    lib.gs_qmatmul_multi(1, I1(fmt), P(x8.data_ptr()), P(None), P(None), I1(32), I1(48), 320, x.ctypes.data, None,
+                         3, y.ctypes.data, 1)  # fp32 activations on the copy: the stored Q5_0's bits
+    assert np.array_equal(bits(y), bits(q8_product(lib, plain, x[:3].copy(), q8=False)))
+    odd = kernels.StoredWeight(torch.from_numpy(random_blocks(rng, "Q5_0", 13, 64)), "Q5_0", 64)
+    assert odd._segments_q8(lib)[0][0] == kernels._FMT["Q5_0"]
+
+
+def test_auto_gives_a_mid_sized_models_layers_int8_activations(engine):
+    """Under ``auto`` the default model's layer products multiply int8 activations through the 8-row
+    layouts (its fused q|k|v and gate|up, Q5_0 / Q8_0, as x8; its o and down, Q4_K / Q6_K, as I8X8). A
+    row's result is the same from 1, 4 or 20 rows at once (decode, verify, prefill), an explicit ``none``
+    turns it off, and models outside the head's size range, weights whose rows are not a multiple of 8
+    and a stack whose parts are not all marked are left alone."""
+    if kernels.load_library() is None:
+        pytest.skip("no C compiler")
+    from gemmaspec.kernels import build
+
+    layer = engine.model.layers[0]
+    saved = build._act_mode, build._act_q8
+    try:
+        kernels.set_act_quant("auto")
+        build._act_q8 = False  # the layers' mode for this model size
+        assert layer.gate_up._q8() and layer.qkv._q8() and layer.o._q8() and layer.down._q8()
+        for w in (layer.gate_up, layer.down):
+            x = torch.from_numpy(np.random.default_rng(5).standard_normal((20, w.shape[1])).astype(np.float32))
+            many = w(x)
+            for i in (0, 13, 19):
+                assert torch.equal(w(x[i:i + 1])[0], many[i])
+            assert torch.equal(w(x[4:8]), many[4:8])
+        x = torch.from_numpy(np.random.default_rng(5).standard_normal((20, layer.gate_up.shape[1])).astype(np.float32))
+        many = layer.gate_up(x)
+        kernels.set_act_quant("none")
+        assert not layer.gate_up._q8() and not torch.equal(layer.gate_up(x[:2]), many[:2])
+        kernels.set_act_quant("auto")
+        rng = np.random.default_rng(6)
+        parts = [kernels.StoredWeight(torch.from_numpy(random_blocks(rng, t, n, 256)), t, 256) for t, n in (("Q4_K", 8), ("Q5_0", 12))]
+        assert kernels.auto_q8_layers(kernels.AUTO_Q8_HEAD_BYTES - 1, parts) == 0  # tiny models
+        assert kernels.auto_q8_layers(kernels.AUTO_Q8_BYTES, parts) == 0  # big ones: int8 everywhere already
+        assert kernels.auto_q8_layers(235 << 20, parts) == 1 and parts[0].auto_q8 and not parts[1].auto_q8
+        assert parts[0]._q8() and not kernels.StackedWeight(parts)._q8()  # a mixed stack keeps fp32
+    finally:
+        build._act_mode, build._act_q8 = saved
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quants_repack_as_int8_levels_8_rows_at_a_time(qtype):
+    """Q4_K and Q6_K weights with a multiple of 8 rows are repacked for the int8-activation products into
+    FMT_I8X8 (x8.h): int8 levels [N, K] 8 rows interleaved, fp32 scales (and Q4_K's offsets) per 32 or 16
+    values. The copy holds the stored values (dequantization and row lookups from it give the stored
+    ones; fp32 products on it give the stored bits), its products are W @ (aq * da) up to float rounding
+    (test_reference_is_the_product_of_the_quantized_activations) with every path's bits equal
+    (test_simd_paths_equal_the_portable_reference), and rows that are not a multiple of 8 keep the stored
+    layout."""
+    lib = kernels.load_library()
+    if lib is None:
+        pytest.skip("no C compiler")
+    rng = np.random.default_rng(12)
+    raw = torch.from_numpy(random_blocks(rng, qtype, 24, 512))
+    w, plain = kernels.StoredWeight(raw, qtype, 512), kernels.StoredWeight(raw.clone(), qtype, 512)
+    (fmt, lev, s, o, g, n), = w._segments_q8(lib)
+    assert (fmt, g, n, tuple(lev.shape), s.numel()) == (kernels.FMT_I8X8, 32 if qtype == "Q4_K" else 16, 24, (24, 512),
+                                                        24 * 512 // g)
+    assert (o is not None) == (qtype == "Q4_K")
+    q, sc, off, g2 = plain.levels()  # the int8 form: row 9's block 3 sits in group 1, lane 1
+    assert g2 == g and float(s[(1 * (512 // g) + 3) * 8 + 1]) == float(sc[9, 3])
+    at = ((1 * (512 // g) + 3) * 8 * g) + 4 * 1  # its first byte group, lane 1: values 0..3 of that block
+    assert torch.equal(lev.flatten()[at:at + 4], q[9, 3 * g:3 * g + 4])
+    assert torch.equal(w.dequantize(), plain.dequantize())  # now read from the copy
+    ids = torch.tensor([0, 7, 8, 23, 13])
+    assert torch.equal(w.rows(ids), plain.rows(ids))
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    fp = q8_product(lib, w, x, q8=False, stored=True)
+    y = np.empty((3, 24), np.float32)
+    P, I1, F1 = ctypes.c_void_p * 1, ctypes.c_int * 1, ctypes.c_void_p * 1
+    lib.gs_qmatmul_multi(1, I1(fmt), P(lev.data_ptr()), F1(s.data_ptr()), F1(None if o is None else o.data_ptr()),
+                         I1(g), I1(24), 512, x.ctypes.data, None, 3, y.ctypes.data, 1)
+    assert np.array_equal(bits(y), bits(fp))  # fp32 activations on the copy: the stored bits
+    odd = kernels.StoredWeight(torch.from_numpy(random_blocks(rng, qtype, 13, 256)), qtype, 256)
     assert odd._segments_q8(lib)[0][0] == kernels._FMT[qtype]

@@ -31,19 +31,20 @@ has one home each, in ``build``.
 from __future__ import annotations
 
 from .base import BlockWeight
-from .build import (ACT_QUANTS, AUTO_Q8_BYTES, AUTO_Q8_HEAD_BYTES, FMT_I8, FMT_Q4_0R8, FMT_Q4_0X8, FMT_Q8_0R8,
-                    FMT_Q8_0X8, ISAS, STORED_TYPES, _FMT, _R8, _R8_ISAS, _X8, _env_act_quant, act_quant,
-                    auto_q8_head, compiled_library, cpu_supports, draft_act_quant, isa_choice, kernel_isa,
-                    load_library, matmul_library, ops_on_one_thread, resolve_act_quant, set_act_quant, threads)
+from .build import (ACT_QUANTS, AUTO_Q8_BYTES, AUTO_Q8_HEAD_BYTES, FMT_I8, FMT_I8X8, FMT_Q4_0R8, FMT_Q4_0X8,
+                    FMT_Q8_0R8, FMT_Q8_0X8, ISAS, STORED_TYPES, _FMT, _R8, _R8_ISAS, _X8, _env_act_quant, act_quant,
+                    auto_q8_head, auto_q8_layers, compiled_library, cpu_supports, draft_act_quant, isa_choice,
+                    kernel_isa, load_library, matmul_library, ops_on_one_thread, resolve_act_quant, set_act_quant,
+                    threads)
 from .regroup import _bg_ready, regroup_in_background, sync_layouts
 from .weights import (SMALL_M, TILE_BYTES, CPUBlockWeight, Q4_0Weight, QuantizedWeight, StackedWeight, StoredWeight,
                       device_weight)
 
 __all__ = [
-    "ACT_QUANTS", "AUTO_Q8_BYTES", "AUTO_Q8_HEAD_BYTES", "FMT_I8", "FMT_Q4_0R8", "FMT_Q4_0X8", "FMT_Q8_0R8",
+    "ACT_QUANTS", "AUTO_Q8_BYTES", "AUTO_Q8_HEAD_BYTES", "FMT_I8", "FMT_I8X8", "FMT_Q4_0R8", "FMT_Q4_0X8", "FMT_Q8_0R8",
     "FMT_Q8_0X8", "ISAS", "SMALL_M", "STORED_TYPES", "TILE_BYTES", "BlockWeight", "CPUBlockWeight", "Q4_0Weight",
-    "QuantizedWeight", "StackedWeight", "StoredWeight", "act_quant", "auto_q8_head", "compiled_library",
-    "cpu_supports", "device_weight", "draft_act_quant", "isa_choice", "kernel_isa", "load_library",
+    "QuantizedWeight", "StackedWeight", "StoredWeight", "act_quant", "auto_q8_head", "auto_q8_layers",
+    "compiled_library", "cpu_supports", "device_weight", "draft_act_quant", "isa_choice", "kernel_isa", "load_library",
     "matmul_library", "ops_on_one_thread", "regroup_in_background", "resolve_act_quant", "set_act_quant",
     "sync_layouts", "threads",
 ]

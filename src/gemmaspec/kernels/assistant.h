@@ -24,7 +24,7 @@ typedef struct {
 } gs_alayer;
 
 static inline void prod1(const gs_prod *p, int K, const float *x, float *y, int nthreads, int act_q8) {
-    qmatmul_multi(p->nseg, p->fmts, p->ws, p->ss, p->os, p->Gs, p->Ns, K, x, NULL, 1, y, nthreads, act_q8);
+    qmatmul_multi(p->nseg, p->fmts, p->ws, p->ss, p->os, p->Gs, p->Ns, K, x, NULL, 1, y, nthreads, act_q8 || p->q8);
 }
 
 /* The greedy pick of a reduced head for one row of scores: *best = the lowest target id among the rows
@@ -117,7 +117,7 @@ int gs_assistant_step(int nl, const gs_alayer *layers, const gs_prod *pre, const
 }
 
 static inline void prodm(const gs_prod *p, int K, const float *x, int M, float *y, int nthreads, int act_q8) {
-    qmatmul_multi(p->nseg, p->fmts, p->ws, p->ss, p->os, p->Gs, p->Ns, K, x, NULL, M, y, nthreads, act_q8);
+    qmatmul_multi(p->nseg, p->fmts, p->ws, p->ss, p->os, p->Gs, p->Ns, K, x, NULL, M, y, nthreads, act_q8 || p->q8);
 }
 
 /* One row's query norm + RoPE and attention over its own target K/V (a task of gs_assistant_steps: the

@@ -13,7 +13,13 @@ typedef struct { /* one weight matrix's kernel segments (gs_qmatmul_multi's argu
     const void *const *ws;
     const float *const *ss, *const *os;
     const int *Gs, *Ns;
+    int q8; /* its products multiply int8 activations whatever the step's act_q8 (a weight marked auto_q8) */
 } gs_prod;
+
+/* gs_prod's product of x [n, K] into y [n, N]: int8 activations when the step asks for them or the weight does. */
+static inline void prod_of(const gs_prod *p, int K, const float *x, int n, float *y, int nthreads, int act_q8) {
+    qmatmul_multi(p->nseg, p->fmts, p->ws, p->ss, p->os, p->Gs, p->Ns, K, x, NULL, n, y, nthreads, act_q8 || p->q8);
+}
 
 typedef struct {
     const float *attn_norm, *q_norm, *k_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm; /* float32 [D] or [hd] */
@@ -45,8 +51,7 @@ int gs_decode_layers(int nl, const gs_layer *layers, float *const *kv, const gs_
         const gs_kind *kd = &kinds[ly->sliding ? 1 : 0];
         float *kc = kv[2 * l], *vc = kv[2 * l + 1];
         gs_rms_norm(x, ly->attn_norm, n, D, eps, h);
-        qmatmul_multi(ly->qkv.nseg, ly->qkv.fmts, ly->qkv.ws, ly->qkv.ss, ly->qkv.os, ly->qkv.Gs, ly->qkv.Ns, D, h,
-                      NULL, n, qkv, nthreads, act_q8);
+        prod_of(&ly->qkv, D, h, n, qkv, nthreads, act_q8);
         gs_norm_rope(qkv, wq, n, hq + hkv, hd, ly->q_norm, hq, ly->k_norm, kd->cos, kd->sin, eps, qk);
         for (int i = 0; i < n; i++) {
             const long row = kd->wrap ? (start + i) % kd->wrap : start + i;
@@ -57,15 +62,12 @@ int gs_decode_layers(int nl, const gs_layer *layers, float *const *kv, const gs_
             free(buf);
             return -1;
         }
-        qmatmul_multi(ly->o.nseg, ly->o.fmts, ly->o.ws, ly->o.ss, ly->o.os, ly->o.Gs, ly->o.Ns, hq * hd, att, NULL, n,
-                      a, nthreads, act_q8);
+        prod_of(&ly->o, hq * hd, att, n, a, nthreads, act_q8);
         gs_add_rms_norm(a, ly->post_attn_norm, n, D, eps, x, x);
         gs_rms_norm(x, ly->ffn_norm, n, D, eps, h);
-        qmatmul_multi(ly->gate_up.nseg, ly->gate_up.fmts, ly->gate_up.ws, ly->gate_up.ss, ly->gate_up.os,
-                      ly->gate_up.Gs, ly->gate_up.Ns, D, h, NULL, n, gu, nthreads, act_q8);
+        prod_of(&ly->gate_up, D, h, n, gu, nthreads, act_q8);
         gs_gelu_mul(gu, 2L * F, n, F, g);
-        qmatmul_multi(ly->down.nseg, ly->down.fmts, ly->down.ws, ly->down.ss, ly->down.os, ly->down.Gs, ly->down.Ns, F,
-                      g, NULL, n, f, nthreads, act_q8);
+        prod_of(&ly->down, F, g, n, f, nthreads, act_q8);
         gs_add_rms_norm(f, ly->post_ffn_norm, n, D, eps, x, x);
     }
     free(buf);

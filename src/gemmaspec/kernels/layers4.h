@@ -34,7 +34,7 @@ void gs_gelu_mul2(const float *g, long ldg, const float *u, long ldu, int n, int
 }
 
 static inline void prod4(const gs_prod *p, int K, const float *x, int n, float *y, int nthreads, int act_q8) {
-    qmatmul_multi(p->nseg, p->fmts, p->ws, p->ss, p->os, p->Gs, p->Ns, K, x, NULL, n, y, nthreads, act_q8);
+    qmatmul_multi(p->nseg, p->fmts, p->ws, p->ss, p->os, p->Gs, p->Ns, K, x, NULL, n, y, nthreads, act_q8 || p->q8);
 }
 
 typedef struct { /* scratch of one call, sized for the widest layer */

@@ -1080,7 +1080,7 @@ static inline __attribute__((always_inline)) void qmatmul_tile(const int fmt, co
     }
 }
 
-#include "x8.h" /* Q4_0 and Q8_0 repacked 8 rows at a time (int8 activations) */
+#include "x8.h" /* Q4_0, Q8_0 (and Q5_0 as Q8_0) repacked 8 rows at a time (int8 activations) */
 #include "r8.h" /* Q4_0 and Q8_0 regrouped 8 rows at a time (fp32 activations) */
 
 static void run_tile(const gs_segment *sg, int K, const float *x, const float *xsum, int M, const int8_t *aq,
@@ -1089,6 +1089,7 @@ static void run_tile(const gs_segment *sg, int K, const float *x, const float *x
     switch (sg->fmt) {
         case FMT_Q4_0X8: x8_tile(FMT_Q4_0X8, sg, K, x, M, aq, da, y, ldy, t); break;
         case FMT_Q8_0X8: x8_tile(FMT_Q8_0X8, sg, K, x, M, aq, da, y, ldy, t); break;
+        case FMT_I8X8: i8x8_tile(sg, K, x, xsum, M, aq, da, y, ldy, t); break;
         case FMT_Q4_0R8: r8_tile(FMT_Q4_0R8, sg, K, x, M, y, ldy, t); break;
         case FMT_Q8_0R8: r8_tile(FMT_Q8_0R8, sg, K, x, M, y, ldy, t); break;
         case FMT_Q4_0: qmatmul_tile(FMT_Q4_0, sg, K, x, xsum, M, aq, da, y, ldy, t); break;
@@ -1144,7 +1145,7 @@ static void qmatmul_multi(int nseg, const int *fmts, const void *const *ws, cons
         int g = 0;
         for (int i = 0; i < nseg; i++)
             if (sg[i].fmt == FMT_Q4_K) g = 32;
-            else if (sg[i].fmt == FMT_I8 && sg[i].o) g = sg[i].G;
+            else if ((sg[i].fmt == FMT_I8 || sg[i].fmt == FMT_I8X8) && sg[i].o) g = sg[i].G;
         if (g) {
             own = (float *)malloc(sizeof(float) * (size_t)M * (size_t)(K / g));
             if (!own) return;
@@ -1213,6 +1214,17 @@ void gs_qmatmul_stored(int fmt, const uint8_t *blocks, int N, int K, const float
 /* Row n of W (format fmt; s, o, G for FMT_I8) as fp32: scale * (float)q + offset, the same values for
  * every format holding the same weights. */
 static void dequant_row(int fmt, const void *w, const float *s, const float *o, int G, int K, long n, float *out) {
+    if (fmt == FMT_I8X8) { /* its FMT_I8 form first */
+        const int nbg = K / G;
+        int8_t *q = (int8_t *)malloc((size_t)K + sizeof(float) * 2 * (size_t)nbg + 8);
+        if (!q) return;
+        float *rs = (float *)(q + (((size_t)K + 7) & ~(size_t)7)), *ro = rs + nbg;
+        i8x8_row((const int8_t *)w, s, o, K, G, n, q, rs, ro);
+        for (int b = 0; b < nbg; b++)
+            for (int j = 0; j < G; j++) out[b * G + j] = rs[b] * (float)q[b * G + j] + (o ? ro[b] : 0.f);
+        free(q);
+        return;
+    }
     if (fmt == FMT_Q4_0X8 || fmt == FMT_Q8_0X8 || fmt_r8(fmt)) { /* a regrouped layout: rebuilt as a stored row first */
         const int sf = fmt_r8(fmt) ? r8_stored(fmt) : x8_stored(fmt);
         uint8_t stack[8192];

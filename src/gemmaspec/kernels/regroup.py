@@ -99,8 +99,8 @@ def regroup_in_background(weights) -> threading.Thread | None:
     resident: the peak RSS is up to twice the regrouped bytes, not the stored size plus one chunk.
     Skipped (None) when the copies would take more than a quarter of the available memory, without the
     C kernel, on kernel paths that read only the stored layout, in the int8-activation mode (whose
-    repacked layout sums in another order than the stored one; a head marked ``auto_q8`` is skipped for
-    the same reason), and with ``GEMMASPEC_REGROUP=first-use``
+    repacked layout sums in another order than the stored one; weights marked ``auto_q8``, a mid-sized
+    model's head and x8-able layer products, are skipped for the same reason), and with ``GEMMASPEC_REGROUP=first-use``
     (the regroup then happens at each weight's first product, as before).
 
     Args:
@@ -115,7 +115,7 @@ def regroup_in_background(weights) -> threading.Thread | None:
         return None
     todo, seen = [], set()
     for w in weights:
-        if getattr(w, "auto_q8", False) and w._q8():  # its products read the int8 layout (x8.h)
+        if getattr(w, "_marked_q8", bool)():  # its products read the int8 layout (x8.h)
             continue
         parts = [q for q in w._segment_owners() if q is not None] if isinstance(w, BlockWeight) else []
         for q in parts:  # StoredWeight objects (alone or parts of a StackedWeight)

@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import build
 from .base import BlockWeight
-from .build import _FMT, _R8, _R8_ISAS, _X8, FMT_I8, STORED_TYPES, load_library, threads
+from .build import _FMT, _I8X8, _R8, _R8_ISAS, _X8, FMT_I8, FMT_I8X8, STORED_TYPES, load_library, threads
 from .regroup import _bg_ready, _release, sync_layouts
 
 SMALL_M = 16  # at most this many rows go through the C kernel
@@ -40,12 +40,17 @@ class CPUBlockWeight(BlockWeight):
     _dense: torch.Tensor | None = None
     # int8 activations for this weight's products under ``--act-quant auto`` whatever the process's mode
     # (build.set_act_quant); an explicit ``none`` or ``q8_0`` still rules. Set by
-    # :func:`~gemmaspec.kernels.build.auto_q8_head` (a mid-sized model's head).
+    # :func:`~gemmaspec.kernels.build.auto_q8_head` (a mid-sized model's head) and
+    # :func:`~gemmaspec.kernels.build.auto_q8_layers` (its layer products that the x8 layout holds).
     auto_q8: bool = False
 
     def _q8(self) -> bool:
         """Whether this weight's products multiply int8 activations now."""
-        return build._act_q8 or (self.auto_q8 and build._act_mode == "auto")
+        return build._act_q8 or self._marked_q8()
+
+    def _marked_q8(self) -> bool:
+        """Whether its products multiply int8 activations because it is marked ``auto_q8`` (under ``auto``)."""
+        return self.auto_q8 and build._act_mode == "auto"
 
     def _segments(self) -> list[tuple]:  # [(fmt, w, s, o, G, N)]
         raise NotImplementedError
@@ -333,28 +338,37 @@ class StoredWeight(CPUBlockWeight):
         return [(_FMT[self.qtype], self.raw, None, None, 32, self.raw.shape[0])]
 
     def _segments_q8(self, lib) -> list[tuple]:
-        """Q4_0 and Q8_0 with a multiple of 8 rows: the rows repacked 8 at a time (``x8.h``, llama.cpp's
-        idea of ``block_q4_0x8``: one activation load and one vector of 8 scales serve 8 rows, one weight
-        stream per 8 rows), built on the first int8-activation product, the same size as the stored
-        bytes, which are then released from memory (:func:`_release`: they stay in the file); other
-        types: as stored."""
+        """Q4_0, Q8_0 and Q5_0 with a multiple of 8 rows: the rows repacked 8 at a time (``x8.h``,
+        llama.cpp's idea of ``block_q4_0x8``: one activation load and one vector of 8 scales serve 8 rows,
+        one weight stream per 8 rows), built on the first int8-activation product, the same size as the
+        stored bytes (Q5_0: as the Q8_0 blocks of the same values, 34 bytes per 32 values against 22,
+        whose integer dot products need no unpacking of the fifth bit), which are then released from
+        memory (:func:`_release`: they stay in the file). Q4_K and Q6_K: their int8 levels with fp32
+        scales (and Q4_K's offsets), 8 rows at a time (``FMT_I8X8``, :meth:`_i8x8`); other types: as
+        stored."""
         n = self.raw.shape[0]
+        if self.qtype in _I8X8 and n % 8 == 0:
+            got = self._i8x8(lib)
+            if got is not None:
+                return got
         if self.qtype not in _X8 or n % 8:
             return self._segments()
         if self.__dict__.get("_x8") is None:
-            self._x8 = self._repacked(lib.gs_repack_x8)
+            self._x8 = self._repacked(lib.gs_repack_x8, row_bytes=self.k // 32 * 34 if self.qtype == "Q5_0" else None)
             if self._x8 is None:
                 return self._segments()
         return [(_X8[self.qtype], self._x8, None, None, 32, n)]
 
-    def _repacked(self, repack, nthreads: int | None = None, stop=None) -> torch.Tensor | None:
-        """A copy of the rows in another layout of the same size (``repack``: ``gs_repack_x8`` or
-        ``gs_repack_r8``), built chunk by chunk on ``nthreads`` threads (default :func:`threads`), each
-        chunk's stored pages released once copied (so the peak stays one chunk above the stored size; a
-        released page read again comes back unchanged from the file or swap); None if the kernel refuses
-        the format, or when ``stop`` (a :class:`threading.Event`) is set between chunks."""
+    def _repacked(self, repack, nthreads: int | None = None, stop=None, row_bytes: int | None = None) -> torch.Tensor | None:
+        """A copy of the rows in another layout (``repack``: ``gs_repack_x8`` or ``gs_repack_r8``) of
+        ``row_bytes`` bytes per row (default: the stored size), built chunk by chunk on ``nthreads``
+        threads (default :func:`threads`), each chunk's stored pages released once copied (so the peak
+        stays one chunk above the copy's size; a released page read again comes back unchanged from the
+        file or swap); None if the kernel refuses the format, or when ``stop`` (a
+        :class:`threading.Event`) is set between chunks."""
         n = self.raw.shape[0]
-        out = torch.empty_like(self.raw)  # pages are only taken as they are written (~0.2 s for 170 MiB here)
+        # pages are only taken as they are written (~0.2 s for 170 MiB here)
+        out = torch.empty(n, row_bytes or self.raw.shape[1], dtype=torch.uint8)
         for r0 in range(0, n, _REPACK_ROWS):
             if stop is not None and stop.is_set():
                 return None
@@ -364,6 +378,28 @@ class StoredWeight(CPUBlockWeight):
                 return None
             _release(self.raw[r0:r1])
         return out
+
+    def _i8x8(self, lib) -> list[tuple] | None:
+        """The ``FMT_I8X8`` segment of a Q4_K or Q6_K weight (``x8.h``): levels int8 [N, K] interleaved 8
+        rows at a time, fp32 scales and (Q4_K) offsets [N / 8 * K / G * 8], G = 32 (Q4_K) or 16 (Q6_K):
+        1.25 bytes per value against 0.5625 (Q4_K) or 0.82 (Q6_K) stored, so that int8 dot products serve
+        8 weight rows per activation load without unpacking sub-block scales. Built on first use, chunk
+        by chunk, each chunk's stored pages released once copied; None when the kernel refuses."""
+        got = self.__dict__.get("_i8x8_seg")
+        if got is None:
+            n, k, g = self.raw.shape[0], self.k, _I8X8[self.qtype]
+            lev = torch.empty(n, k, dtype=torch.int8)
+            s = torch.empty(n * (k // g), dtype=torch.float32)
+            o = torch.empty(n * (k // g), dtype=torch.float32) if self.qtype == "Q4_K" else None
+            for r0 in range(0, n, _REPACK_ROWS):
+                r1 = min(n, r0 + _REPACK_ROWS)
+                at = r0 * (k // g)
+                if lib.gs_repack_i8x8(_FMT[self.qtype], self.raw[r0].data_ptr(), r1 - r0, k, lev[r0].data_ptr(),
+                                      s[at:].data_ptr(), None if o is None else o[at:].data_ptr(), threads()):
+                    return None
+                _release(self.raw[r0:r1])
+            got = self._i8x8_seg = [(FMT_I8X8, lev, s, o, g, n)]
+        return got
 
     def _regroups(self, lib) -> bool:
         """Whether the fp32 products read this weight regrouped (:meth:`_segments_f32`)."""
@@ -392,6 +428,8 @@ class StoredWeight(CPUBlockWeight):
 
     def _read_segments(self) -> list[tuple]:
         n = self.raw.shape[0]
+        if self.__dict__.get("_i8x8_seg") is not None:
+            return self._i8x8_seg
         for attr, fmts in (("_r8", _R8), ("_x8", _X8)):
             t = self.__dict__.get(attr)
             if t is not None:
@@ -458,6 +496,11 @@ class StackedWeight(CPUBlockWeight):
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    def _marked_q8(self) -> bool:
+        """Under ``auto``, the stack or every one of its parts is marked ``auto_q8``
+        (:func:`~gemmaspec.kernels.build.auto_q8_layers` marks a model's weights, which the model stacks)."""
+        return build._act_mode == "auto" and (self.auto_q8 or all(p.auto_q8 for p in self.parts))
 
     def _segments(self) -> list[tuple]:
         return [s for p in self.parts for s in p._segments()]

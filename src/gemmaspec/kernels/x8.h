@@ -1,6 +1,6 @@
 /*
- * Q4_0 and Q8_0 weights repacked 8 rows at a time for the int8-activation products (included by
- * qmatmul.c after qdot8.h). The idea is llama.cpp's (ggml-cpu repack.cpp, block_q4_0x8): interleave the
+ * Q4_0 and Q8_0 weights (and Q5_0, as the Q8_0 blocks of the same values) repacked 8 rows at a time
+ * for the int8-activation products (included by qmatmul.c after qdot8.h). The idea is llama.cpp's (ggml-cpu repack.cpp, block_q4_0x8): interleave the
  * blocks of 8 weight rows so that one activation load and one vector of 8 scales serve 8 rows, and the
  * 8 rows' integer dot products land in the 8 lanes of one register, with no horizontal sums; one weight
  * stream per group of rows. The layout and the code here are this project's own.
@@ -41,26 +41,38 @@ typedef struct {
 
 #define X8_REPACK_GROUPS 64 /* groups of 8 rows per task */
 
+/* The layout a stored format repacks into: Q4_0 -> Q4_0X8; Q8_0 and Q5_0 -> Q8_0X8 (a Q5_0 block's levels,
+ * nibble | high bit << 4 minus 16, fit int8 exactly, and its fp16 d is kept: the Q8_0 block of the same values). */
+static inline int x8_of(const int fmt) { return fmt == FMT_Q4_0 ? FMT_Q4_0X8 : FMT_Q8_0X8; }
+
 static void x8_repack_task(void *ctx, int t) {
     const x8_repack_job *j = (const x8_repack_job *)ctx;
-    const int fmt = j->fmt, xf = fmt == FMT_Q8_0 ? FMT_Q8_0X8 : FMT_Q4_0X8, nb = j->K / 32, C = x8_groups(xf);
+    const int fmt = j->fmt, xf = x8_of(fmt), nb = j->K / 32, C = x8_groups(xf);
     const long rb = row_bytes(fmt, j->K), bb = rb / nb, xb = x8_block(xf);
     const long g0 = (long)t * X8_REPACK_GROUPS, g1 = g0 + X8_REPACK_GROUPS < j->groups ? g0 + X8_REPACK_GROUPS : j->groups;
+    uint8_t q8[Q8_0_BYTES];
     for (long g = g0; g < g1; g++)
         for (int b = 0; b < nb; b++) {
             uint8_t *o = j->dst + (g * nb + b) * xb;
             for (int r = 0; r < 8; r++) {
                 const uint8_t *blk = j->src + (g * 8 + r) * rb + (long)b * bb;
+                if (fmt == FMT_Q5_0) { /* the same values as a Q8_0 block: d, then the 32 levels */
+                    float unused;
+                    memcpy(q8, blk, 2);
+                    levels_scalar(FMT_Q5_0, blk, NULL, 0, 32, (int8_t *)(q8 + 2), &unused);
+                    blk = q8;
+                }
                 memcpy(o + 2 * r, blk, 2);
                 for (int c = 0; c < C; c++) memcpy(o + 16 + 32 * c + 4 * r, blk + 2 + 4 * c, 4);
             }
         }
 }
 
-/* Rows [N, nb * block bytes] of a stored format (FMT_Q4_0 or FMT_Q8_0; N a multiple of 8) into its
- * repacked layout, on nthreads threads; returns 0, or -1 for another format. */
+/* Rows [N, nb * block bytes] of a stored format (FMT_Q4_0, FMT_Q8_0 or FMT_Q5_0; N a multiple of 8) into
+ * its repacked layout (x8_of: Q5_0 into Q8_0X8, 34 bytes per block of 32 values against its 22), on
+ * nthreads threads; returns 0, or -1 for another format. */
 int gs_repack_x8(int fmt, const uint8_t *src, long N, int K, uint8_t *dst, int nthreads) {
-    if (fmt != FMT_Q4_0 && fmt != FMT_Q8_0) return -1;
+    if (fmt != FMT_Q4_0 && fmt != FMT_Q8_0 && fmt != FMT_Q5_0) return -1;
     x8_repack_job job = {fmt, K, src, dst, N / 8};
     gs_parallel((int)((N / 8 + X8_REPACK_GROUPS - 1) / X8_REPACK_GROUPS), nthreads, x8_repack_task, &job);
     return 0;
@@ -362,4 +374,283 @@ static inline __attribute__((always_inline)) void x8_tile(const int fmt, const g
         }
         if (as != stack) free(as);
     }
+}
+
+/*
+ * FMT_I8X8: any stored format's int8 levels, 8 rows at a time, for the int8-activation products (K-quants:
+ * Q4_K, Q6_K, whose blocks x8's layout cannot hold). Segment fields: w the levels, s the scales, o the
+ * offsets (or NULL), G the values per scale (32 for Q4_K, 16 for Q6_K). Group g (rows 8g .. 8g+7),
+ * block b of nbg = K / G:
+ *   levels at byte (g * nbg + b) * 8 * G: G / 4 byte groups of 32 bytes, byte group c holding, for rows
+ *          r = 0..7 in turn, row r's int8 levels of values 4c .. 4c+3 of the block (x8's interleave);
+ *   scales s[(g * nbg + b) * 8 + r] and offsets o[...] as fp32 (the stored block's scale and offset,
+ *          levels_scalar / stored_scale / block_offset: W = scale * q + offset, no rounding).
+ * Order per (m, n): for each block b ascending, the exact integer p_b = sum_j q_j * aq_j over its G values,
+ * acc = fma(float(p_b), s_b * da[m, b * G / 32], acc) from 0; then the offsets' term
+ * off = fma(o_b, xsum[m, b], off) from 0, b ascending (xsum: fp32 sums of x over the G-value blocks),
+ * and y = acc + off. The same on every path, for every number of rows.
+ */
+#define FMT_I8X8 10
+
+typedef struct {
+    int fmt, K, G;
+    const uint8_t *src;
+    int8_t *lev;
+    float *s, *o;
+    long groups;
+} i8x8_repack_job;
+
+static void i8x8_repack_task(void *ctx, int t) {
+    const i8x8_repack_job *j = (const i8x8_repack_job *)ctx;
+    const int G = j->G, nbg = j->K / G, C = G / 4;
+    const long rb = row_bytes(j->fmt, j->K);
+    const long g0 = (long)t * X8_REPACK_GROUPS, g1 = g0 + X8_REPACK_GROUPS < j->groups ? g0 + X8_REPACK_GROUPS : j->groups;
+    for (long g = g0; g < g1; g++)
+        for (int b = 0; b < nbg; b++) {
+            int8_t *o = j->lev + (g * nbg + b) * 8L * G;
+            const long at = (g * nbg + b) * 8;
+            for (int r = 0; r < 8; r++) {
+                const uint8_t *row = j->src + (g * 8 + r) * rb;
+                int8_t q[32];
+                float sc;
+                levels_scalar(j->fmt, row, NULL, b, G, q, &sc);
+                j->s[at + r] = sc;
+                if (j->o) j->o[at + r] = block_offset(j->fmt, row, NULL, b);
+                for (int c = 0; c < C; c++) memcpy(o + 32 * c + 4 * r, q + 4 * c, 4);
+            }
+        }
+}
+
+/* Rows [N, row bytes] of a stored K-quant (FMT_Q4_K: G 32, offsets; FMT_Q6_K: G 16, o may be NULL; N a
+ * multiple of 8) into FMT_I8X8: lev int8 [N * K], s and o fp32 [N / 8 * K / G * 8]; returns 0, or -1 for
+ * another format. */
+int gs_repack_i8x8(int fmt, const uint8_t *src, long N, int K, int8_t *lev, float *s, float *o, int nthreads) {
+    if (fmt != FMT_Q4_K && fmt != FMT_Q6_K) return -1;
+    i8x8_repack_job job = {fmt, K, fmt_group(fmt, 32), src, lev, s, fmt == FMT_Q4_K ? o : NULL, N / 8};
+    gs_parallel((int)((N / 8 + X8_REPACK_GROUPS - 1) / X8_REPACK_GROUPS), nthreads, i8x8_repack_task, &job);
+    return 0;
+}
+
+/* res[(g * M + m) * 8 + r]: the block sums' accumulator acc (offsets not included) of NG = 1 or 2 adjacent
+ * groups (levels wg + g * gstride, scales sg + g * sstride) for M <= Q8_ROWS rows of int8 activations; as:
+ * their sums over the G-value blocks [M, K / G] (x8_tile's role). */
+static inline __attribute__((always_inline)) void i8x8_groups(const int NG, const int G, const int8_t *wg, long gstride,
+                                                              const float *sg, long sstride, int K, const int8_t *aq,
+                                                              const float *da, const int32_t *as, const int M,
+                                                              float *res) {
+    const int nbg = K / G, C = G / 4, nb32 = K / 32;
+#if defined(GS_AVX512) || defined(GS_AVX2)
+    const int c8 = q8_offset(FMT_Q8_0); /* unsigned levels q + 128 for VNNI, else the sign trick */
+    __m256 acc[2][Q8_ROWS];
+    for (int g = 0; g < NG; g++)
+        for (int m = 0; m < M; m++) acc[g][m] = _mm256_setzero_ps();
+    for (int b = 0; b < nbg; b++) {
+        __m256 sc[2];
+        __m256i lv[2][8];
+        for (int g = 0; g < NG; g++) {
+            const int8_t *blk = wg + g * gstride + (long)b * 8 * G;
+            if (NG == 1)
+                for (int l = 0; l < 8 * G; l += 64) __builtin_prefetch(blk + X8_PF + l);
+            else
+                for (int l = 0; l < 8 * G; l += 64) __builtin_prefetch(blk + 2 * gstride + l, 0, 2);
+            sc[g] = _mm256_loadu_ps(sg + g * sstride + (long)b * 8);
+            for (int c = 0; c < C; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * c));
+                lv[g][c] = c8 ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v;
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            const int8_t *a = aq + (long)m * K + G * b;
+            int32_t aw[8];
+            memcpy(aw, a, (size_t)G);
+            __m256i p[2], p2[2];
+            for (int g = 0; g < NG; g++) {
+                p[g] = _mm256_set1_epi32(-c8 * as[(long)m * nbg + b]);
+                p2[g] = _mm256_setzero_si256();
+            }
+            for (int c = 0; c < C; c += 2) {
+                const __m256i w0 = _mm256_set1_epi32(aw[c]), w1 = _mm256_set1_epi32(aw[c + 1]);
+                for (int g = 0; g < NG; g++) {
+                    p[g] = q8_dot(FMT_Q8_0, p[g], lv[g][c], w0);
+                    p2[g] = q8_dot(FMT_Q8_0, p2[g], lv[g][c + 1], w1);
+                }
+            }
+            const __m256 dm = _mm256_set1_ps(da[(long)m * nb32 + (G * b) / 32]);
+            for (int g = 0; g < NG; g++)
+                acc[g][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p[g], p2[g])),
+                                            _mm256_mul_ps(sc[g], dm), acc[g][m]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int m = 0; m < M; m++) _mm256_storeu_ps(res + 8 * (g * M + m), acc[g][m]);
+#elif defined(GS_NEON)
+    for (int g = 0; g < NG; g++) {
+        const int8_t *wgg = wg + g * gstride;
+        const float *sgg = sg + g * sstride;
+        float32x4_t acc[Q8_ROWS][2];
+        for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
+        for (int b = 0; b < nbg; b++) {
+            const int8_t *blk = wgg + (long)b * 8 * G;
+            for (int l = 0; l < 8 * G; l += 64) __builtin_prefetch(blk + X8_PF + l);
+            const float32x4_t sc[2] = {vld1q_f32(sgg + (long)b * 8), vld1q_f32(sgg + (long)b * 8 + 4)};
+            int8x16_t lv[8][2];
+            for (int c = 0; c < C; c++)
+                for (int half = 0; half < 2; half++) lv[c][half] = vld1q_s8(blk + 32 * c + 16 * half);
+            for (int m = 0; m < M; m++) {
+                const int8_t *a = aq + (long)m * K + G * b;
+                int32_t aw[8];
+                memcpy(aw, a, (size_t)G);
+                const float32x4_t dv = vdupq_n_f32(da[(long)m * nb32 + (G * b) / 32]);
+                for (int half = 0; half < 2; half++) {
+                    int32x4_t p = vdupq_n_s32(0);
+                    for (int c = 0; c < C; c++)
+                        p = vaddq_s32(p, q8_dot16_neon(lv[c][half], vreinterpretq_s8_s32(vdupq_n_s32(aw[c]))));
+                    acc[m][half] = vfmaq_f32(acc[m][half], vcvtq_f32_s32(p), vmulq_f32(sc[half], dv));
+                }
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            vst1q_f32(res + 8 * (g * M + m), acc[m][0]);
+            vst1q_f32(res + 8 * (g * M + m) + 4, acc[m][1]);
+        }
+    }
+#else
+    (void)as;
+    for (int g = 0; g < NG; g++) {
+        const int8_t *wgg = wg + g * gstride;
+        const float *sgg = sg + g * sstride;
+        float acc[Q8_ROWS][8] = {{0}};
+        for (int b = 0; b < nbg; b++) {
+            const int8_t *blk = wgg + (long)b * 8 * G;
+            for (int r = 0; r < 8; r++) {
+                const float d = sgg[(long)b * 8 + r];
+                for (int m = 0; m < M; m++) {
+                    const int8_t *a = aq + (long)m * K + G * b;
+                    int32_t p = 0;
+                    for (int c = 0; c < C; c++)
+                        for (int i = 0; i < 4; i++) p += (int32_t)blk[32 * c + 4 * r + i] * a[4 * c + i];
+                    acc[m][r] = fmaf((float)p, d * da[(long)m * nb32 + (G * b) / 32], acc[m][r]);
+                }
+            }
+        }
+        for (int m = 0; m < M; m++)
+            for (int r = 0; r < 8; r++) res[8 * (g * M + m) + r] = acc[m][r];
+    }
+#endif
+}
+
+/* Row n of an FMT_I8X8 matrix as the FMT_I8 form: levels q [K], scales and offsets [K / G]. */
+static void i8x8_row(const int8_t *lev, const float *s, const float *o, int K, int G, long n, int8_t *q, float *rs,
+                     float *ro) {
+    const int nbg = K / G, C = G / 4, r = (int)(n & 7);
+    const long g = n >> 3;
+    for (int b = 0; b < nbg; b++) {
+        const int8_t *blk = lev + (g * nbg + b) * 8L * G;
+        for (int c = 0; c < C; c++) memcpy(q + (long)b * G + 4 * c, blk + 32 * c + 4 * r, 4);
+        rs[b] = s[(g * nbg + b) * 8 + r];
+        if (o) ro[b] = o[(g * nbg + b) * 8 + r];
+    }
+}
+
+/* out[r] = the offsets' term of the 8 rows of a group for one row of x: fma(o_b[r], xs[b], acc) from 0, b
+ * ascending (o8: the group's offsets [nbg][8], xs: that row's sums of x over the blocks). */
+static inline void i8x8_offsets(const float *o8, const float *xs, int nbg, float out[8]) {
+#if defined(GS_AVX512) || defined(GS_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nbg; b++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(o8 + 8L * b), _mm256_set1_ps(xs[b]), acc);
+    _mm256_storeu_ps(out, acc);
+#elif defined(GS_NEON)
+    float32x4_t lo = vdupq_n_f32(0.f), hi = vdupq_n_f32(0.f);
+    for (int b = 0; b < nbg; b++) {
+        const float32x4_t v = vdupq_n_f32(xs[b]);
+        lo = vfmaq_f32(lo, vld1q_f32(o8 + 8L * b), v);
+        hi = vfmaq_f32(hi, vld1q_f32(o8 + 8L * b + 4), v);
+    }
+    vst1q_f32(out, lo);
+    vst1q_f32(out + 4, hi);
+#else
+    for (int r = 0; r < 8; r++) {
+        float acc = 0.f;
+        for (int b = 0; b < nbg; b++) acc = fmaf(o8[8L * b + r], xs[b], acc);
+        out[r] = acc;
+    }
+#endif
+}
+
+/* The rows of scheduling unit t of an FMT_I8X8 segment with G values per scale (a compile-time constant)
+ * for M rows of int8 activations (aq, da). */
+static inline __attribute__((always_inline)) void i8x8_tile_g(const int G, const gs_segment *sg, int K,
+                                                              const float *xsum, int M, const int8_t *aq,
+                                                              const float *da, float *y, long ldy, int t) {
+    const int nbg = K / G, N = sg->N;
+    const int n0 = t * sg->tile, n1 = n0 + sg->tile < N ? n0 + sg->tile : N;
+    const int8_t *lev = (const int8_t *)sg->w;
+    const long gstride = (long)nbg * 8 * G, sstride = (long)nbg * 8;
+    for (int m0 = 0; m0 < M; m0 += Q8_ROWS) {
+        const int mm = M - m0 < Q8_ROWS ? M - m0 : Q8_ROWS;
+        const int8_t *a = aq + (long)m0 * K;
+        const float *d = da + (long)m0 * (K / 32);
+        int32_t stack[Q8_ROWS * 512];
+        int32_t *as = mm * nbg <= Q8_ROWS * 512 ? stack : (int32_t *)malloc(sizeof(int32_t) * (size_t)mm * nbg);
+        if (!as) return;
+        for (int m = 0; m < mm; m++) /* block sums of the activations, once per tile */
+            for (int b = 0; b < nbg; b++) {
+                int32_t s = 0;
+                for (int j = 0; j < G; j++) s += a[(long)m * K + G * b + j];
+                as[m * nbg + b] = s;
+            }
+        for (int n = n0; n < n1;) {
+            const int ng = (n + 16 <= n1 && mm >= 2) ? 2 : 1;
+            const int8_t *wg = lev + (long)(n >> 3) * gstride;
+            const float *sg8 = sg->s + (long)(n >> 3) * sstride;
+            float res[2 * Q8_ROWS * 8];
+            if (ng == 2) {
+                switch (mm) {
+                    case 2: i8x8_groups(2, G, wg, gstride, sg8, sstride, K, a, d, as, 2, res); break;
+                    case 3: i8x8_groups(2, G, wg, gstride, sg8, sstride, K, a, d, as, 3, res); break;
+                    default: i8x8_groups(2, G, wg, gstride, sg8, sstride, K, a, d, as, 4, res); break;
+                }
+            } else {
+                switch (mm) {
+                    case 1: i8x8_groups(1, G, wg, gstride, sg8, sstride, K, a, d, as, 1, res); break;
+                    case 2: i8x8_groups(1, G, wg, gstride, sg8, sstride, K, a, d, as, 2, res); break;
+                    case 3: i8x8_groups(1, G, wg, gstride, sg8, sstride, K, a, d, as, 3, res); break;
+                    default: i8x8_groups(1, G, wg, gstride, sg8, sstride, K, a, d, as, 4, res); break;
+                }
+            }
+            for (int g = 0; g < ng; g++) {
+                const long grp = (n >> 3) + g;
+                for (int m = 0; m < mm; m++) {
+                    float off[8] = {0};
+                    if (sg->o) i8x8_offsets(sg->o + grp * sstride, xsum + (long)(m0 + m) * nbg, nbg, off);
+                    for (int r = 0; r < 8; r++)
+                        y[(long)(m0 + m) * ldy + sg->col + n + 8 * g + r] = res[8 * (g * mm + m) + r] + off[r];
+                }
+            }
+            n += 8 * ng;
+        }
+        if (as != stack) free(as);
+    }
+}
+
+/* The rows of scheduling unit t of an FMT_I8X8 segment, for M rows of int8 activations (aq, da) or, without
+ * them, fp32 x (the rows rebuilt as the FMT_I8 form: the stored format's fp32 bits; correct, not fast). */
+static void i8x8_tile(const gs_segment *sg, int K, const float *x, const float *xsum, int M, const int8_t *aq,
+                      const float *da, float *y, long ldy, int t) {
+    const int G = sg->G, nbg = K / G, N = sg->N;
+    if (aq) {
+        if (G == 16) i8x8_tile_g(16, sg, K, xsum, M, aq, da, y, ldy, t);
+        else i8x8_tile_g(32, sg, K, xsum, M, aq, da, y, ldy, t);
+        return;
+    }
+    const int n0 = t * sg->tile, n1 = n0 + sg->tile < N ? n0 + sg->tile : N, rows = n1 - n0;
+    int8_t *q = (int8_t *)malloc((size_t)rows * (size_t)K + sizeof(float) * 2 * (size_t)rows * (size_t)nbg + 8);
+    if (!q) return;
+    float *rs = (float *)(q + (((size_t)rows * (size_t)K + 7) & ~(size_t)7)), *ro = rs + (long)rows * nbg;
+    for (int n = n0; n < n1; n++)
+        i8x8_row((const int8_t *)sg->w, sg->s, sg->o, K, G, n, q + (long)(n - n0) * K, rs + (long)(n - n0) * nbg,
+                 ro + (long)(n - n0) * nbg);
+    const gs_segment tmp = {FMT_I8, rows, G, sg->col + n0, q, rs, sg->o ? ro : NULL, rows};
+    qmatmul_tile(FMT_I8, &tmp, K, x, xsum, M, NULL, NULL, y, ldy, 0);
+    free(q);
 }

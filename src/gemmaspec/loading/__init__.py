@@ -55,8 +55,10 @@ def load_checkpoint(path: str | os.PathLike | None, device: torch.device | str =
     else:
         from .. import kernels
 
-        if loaded.arch.role == "target":  # a mid-sized model's head multiplies int8 activations under auto
-            kernels.auto_q8_head(step_bytes(loaded.model), getattr(loaded.model, "head", None))
+        if loaded.arch.role == "target":  # a mid-sized model's head and x8-able layers: int8 activations under auto
+            head = getattr(loaded.model, "head", None)
+            kernels.auto_q8_head(step_bytes(loaded.model), head)
+            kernels.auto_q8_layers(step_bytes(loaded.model), [w for w in product_weights(loaded.model) if w is not head])
         kernels.regroup_in_background(product_weights(loaded.model))
     return loaded
 
@@ -65,8 +67,8 @@ def step_bytes(model) -> int:
     """Bytes of weights one decode step of ``model`` reads: every entry of ``model.weights`` (its
     memory held, ``nbytes``) except the token-embedding tables a token only looks up a row of
     (``token_embd`` unless it is also the head, Gemma 4's ``per_layer_token_embd``). What
-    :func:`~gemmaspec.kernels.resolve_act_quant` and :func:`~gemmaspec.kernels.auto_q8_head` decide
-    ``--act-quant auto`` by."""
+    :func:`~gemmaspec.kernels.resolve_act_quant`, :func:`~gemmaspec.kernels.auto_q8_head` and
+    :func:`~gemmaspec.kernels.auto_q8_layers` decide ``--act-quant auto`` by."""
     head = getattr(model, "head", None)
     total = 0
     for name, t in getattr(model, "weights", {}).items():

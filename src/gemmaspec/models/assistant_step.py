@@ -37,7 +37,8 @@ def _static(assistant, lib, q8: bool):
     the per-layer gate and up :class:`~gemmaspec.kernels.StackedWeight` the layer array points into) for
     this assistant and mode, or None when a weight is not in a form the C step reads. Kept on the
     assistant."""
-    key = "_c_step_q8" if q8 else "_c_step"
+    # the products' modes: the step's, and under auto the weights marked auto_q8 (decode_step._prod)
+    key = ("_c_step_q8" if q8 else "_c_step") + ("_auto" if kernels.build._act_mode == "auto" else "")
     got = assistant.__dict__.get(key, False)
     if got is not False:
         return got

@@ -22,7 +22,8 @@ P = ctypes.c_void_p
 
 
 class _Prod(ctypes.Structure):
-    _fields_ = [("nseg", ctypes.c_int), ("fmts", P), ("ws", P), ("ss", P), ("os", P), ("Gs", P), ("Ns", P)]
+    _fields_ = [("nseg", ctypes.c_int), ("fmts", P), ("ws", P), ("ss", P), ("os", P), ("Gs", P), ("Ns", P),
+                ("q8", ctypes.c_int)]
 
 
 class _Layer(ctypes.Structure):
@@ -36,10 +37,12 @@ class _Kind(ctypes.Structure):
 
 
 def _prod(lib, w: CPUBlockWeight, q8: bool) -> _Prod:
-    """Points into the ctypes arrays that ``w.kernel_args`` keeps on the weight (so they stay alive)."""
+    """Points into the ctypes arrays that ``w.kernel_args`` keeps on the weight (so they stay alive), in
+    the step's activation mode (``q8``) or int8 where the weight's own products are (``auto_q8``)."""
+    q8 = q8 or w._marked_q8()
     (ns, fmts, ws, ss, os_, gs, n), _, _ = w.kernel_args(lib, q8)
     a = ctypes.addressof
-    return _Prod(ns, a(fmts), a(ws), a(ss), a(os_), a(gs), a(n))
+    return _Prod(ns, a(fmts), a(ws), a(ss), a(os_), a(gs), a(n), int(q8))
 
 
 def _plain(t) -> bool:
@@ -48,7 +51,8 @@ def _plain(t) -> bool:
 
 def _layers(model, lib, q8: bool):
     """The ctypes layer array for this model and mode, or None when a layer does not fit the C step."""
-    key = "_c_layers_q8" if q8 else "_c_layers"
+    # the products' modes: the step's, and under auto the weights marked auto_q8 (_prod)
+    key = ("_c_layers_q8" if q8 else "_c_layers") + ("_auto" if kernels.build._act_mode == "auto" else "")
     got = model.__dict__.get(key, False)
     if got is not False:
         return got

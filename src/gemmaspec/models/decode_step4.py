@@ -61,7 +61,8 @@ def _fits(model, ly) -> bool:
 def _layers(model, lib, q8: bool):
     """The ctypes layer array for this model and mode, or None when a layer does not fit the C step.
     Kept on the model."""
-    key = "_c_layers4_q8" if q8 else "_c_layers4"
+    # the products' modes: the step's, and under auto the weights marked auto_q8 (decode_step._prod)
+    key = ("_c_layers4_q8" if q8 else "_c_layers4") + ("_auto" if kernels.build._act_mode == "auto" else "")
     got = model.__dict__.get(key, False)
     if got is not False:
         return got

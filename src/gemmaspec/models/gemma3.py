@@ -303,8 +303,8 @@ def _linear_rows(w, x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     rows (a prefill chunk) in a product of its own, as :meth:`Gemma3Model.forward` does; the rows of the
     shorter ones (decode, verify) at most ``SMALL_M`` at a time through the batch-invariant C kernel. So
     a request's output never depends on what shared its batch, in any activation mode."""
-    if not isinstance(w, BlockWeight) or x.shape[0] <= SMALL_M:
-        return linear(w, x)
+    if not isinstance(w, BlockWeight) or x.shape[0] <= SMALL_M or getattr(w, "_q8", bool)():
+        return linear(w, x)  # (int8 activations: one kernel for any number of rows, batch-invariant)
     parts, run = [], bounds[0]  # run: the first row of the short sequences not yet multiplied
 
     def flush(end: int) -> None:
