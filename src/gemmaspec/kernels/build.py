@@ -139,15 +139,16 @@ def auto_q8_head(step_bytes: int, head) -> bool:
 
 def auto_q8_layers(step_bytes: int, weights) -> int:
     """Under ``"auto"``, for a model in :func:`auto_q8_head`'s size range, mark those of ``weights`` (its
-    layers' products) whose every stored part is Q4_0, Q8_0 or Q5_0 with a multiple of 8 rows to multiply
-    int8 activations (``auto_q8``), as the head does: their products then read the int8 layout of
-    ``x8.h`` (Q5_0 as the Q8_0 blocks of the same values), whose integer dot products serve 8 weight rows
-    per activation load. On a 2-core Zen 4 a Gemma 3 270M gate|up matrix (4096 x 640, Q5_0) costs 0.11 /
-    0.39 / 0.79 ms over 1 / 8 / 16 rows with fp32 activations, where the x8 layout takes 0.04 / 0.12 /
-    0.23 ms: a decode step gets a little cheaper and each extra verify or batch row much cheaper. Other
-    types (Q4_K, Q6_K) keep the process's mode. As for the head, every row of such a product takes the
-    same path (prefill, decode, verify, a batch of slots), so results never depend on how a position was
-    computed. Returns how many weights it marked."""
+    layers' products) whose every stored part has a multiple of 8 rows in a type the 8-row int8 layouts
+    of ``x8.h`` hold (Q4_0, Q8_0, Q5_0 as Q8_0 blocks; Q4_K, Q6_K as ``FMT_I8X8``) to multiply int8
+    activations (``auto_q8``), as the head does: their integer dot products serve 8 weight rows per
+    activation load. On a 2-core Zen 4 a Gemma 3 270M gate|up matrix (4096 x 640, Q5_0) costs 0.11 /
+    0.39 / 0.79 ms over 1 / 8 / 16 rows with fp32 activations and 0.04 / 0.12 / 0.23 ms in the x8 layout;
+    a down matrix (640 x 2048, Q6_K) 0.07 / 0.15 / 0.34 against 0.03 / 0.07 / 0.13 ms: a decode step
+    gets a little cheaper, a prefill about twice as fast, and each extra verify or batch row much
+    cheaper. As for the head, every row of such a product takes the same path (prefill, decode, verify,
+    a batch of slots), so results never depend on how a position was computed. Returns how many weights
+    it marked."""
     if _act_mode != "auto" or not (AUTO_Q8_HEAD_BYTES <= step_bytes < AUTO_Q8_BYTES):
         return 0
     marked = 0

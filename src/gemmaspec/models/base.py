@@ -188,14 +188,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         scale: multiplies q·k.
 
     Returns:
-        float32 [T, H, D]. On the CPU with the C kernel, up to ``SMALL_M`` query rows (decode, verify,
-        drafting) go through one call of ``gs_attention_mt`` (``kernels/stepops.h``: blocks of 256 keys
-        on the kernel's threads, each K/V head read once for the query heads sharing it, every order
-        fixed, so a row's bits depend neither on the other rows nor on the thread count); more rows (prefill) and autograd use PyTorch's
+        float32 [T, H, D]. On the CPU with the C kernel, query rows go through ``gs_attention_mt``
+        (``kernels/stepops.h``: blocks of 256 keys on the kernel's threads, each K/V head read once for
+        the query heads sharing it, every order fixed, so a row's bits depend neither on the other rows
+        nor on the thread count), at most ``SMALL_M`` per call: a prefill's rows get the bits a decode
+        or verify step gives the same positions (with products that are batch-invariant too, a cached
+        prompt's last position then equals a fresh one's). Autograd and other devices use PyTorch's
         ops below. Both compute softmax(q k^T * scale) v in float32; they differ by float rounding.
     """
     t, h, d = q.shape
     hkv = k.shape[1]
+    if t > SMALL_M and q.device.type == "cpu" and not torch.is_grad_enabled():
+        parts = []
+        for i in range(0, t, SMALL_M):
+            part = _attention_c(q[i:i + SMALL_M], k, v, None if mask is None else mask[i:i + SMALL_M], scale, softcap)
+            if part is None:
+                break
+            parts.append(part)
+        else:
+            return torch.cat(parts)
     out = _attention_c(q, k, v, mask, scale, softcap)
     if out is not None:
         return out

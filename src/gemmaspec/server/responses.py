@@ -390,7 +390,7 @@ def _timings(job: Job, n_sent: int | None = None) -> dict:
     decode_ms, s = st.decode_ms, job.state
     if s is not None and not s.done and s._t1:  # still running: decode time up to the last round
         decode_ms = (s._t_last - s._t1) * 1e3
-    return {
+    out = {
         "prompt_n": pn, "prompt_ms": st.prefill_ms,
         "prompt_per_token_ms": st.prefill_ms / pn if pn else 0.0, "prompt_per_second": st.prefill_tps,
         "predicted_n": gn, "predicted_ms": decode_ms,
@@ -399,6 +399,10 @@ def _timings(job: Job, n_sent: int | None = None) -> dict:
         "cache_n": job.cache_n, "draft_n": st.spec.drafted, "draft_n_accepted": st.spec.accepted,
         "ttft_ms": job.ttft_ms,
     }
+    if st.spec.by_drafter:  # a drafter list (ngram-simple,draft-mtp): each member's part of draft_n
+        out["draft_n_by_type"] = {name: {"draft_n": s.drafted, "draft_n_accepted": s.accepted}
+                                  for name, s in sorted(st.spec.by_drafter.items())}
+    return out
 
 
 # -- llama-server's generation settings (/props, /slots, /completion, __verbose) -------------------------
