@@ -93,8 +93,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="activations of the CPU kernel's decode/verify products: none = fp32 (matches transformers "
                         "to ~1e-6), q8_0 = int8 per 32 values with integer dot products, llama.cpp's CPU numerics "
                         "(faster where the fp32 products are compute-bound); auto (default) = q8_0 for models whose "
-                        "decode step reads >= 512 MiB of weights (Gemma 4 E2B and up), else none, with q8_0 for the "
-                        "output head from 64 MiB (Gemma 3 270M) (env GEMMASPEC_ACT_QUANT)")
+                        "decode step reads >= 512 MiB of weights (Gemma 4 E2B and up), and from 64 MiB (Gemma 3 270M) "
+                        "for the output head and the layer products the 8-row int8 layouts hold; else none "
+                        "(env GEMMASPEC_ACT_QUANT)")
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", default=None, metavar="N",
                    help="accepted for llama.cpp compatibility and ignored: the whole model runs on --device")
     refuse(p, LLAMA_FLAGS_REFUSED)

@@ -123,7 +123,7 @@ def auto_q8_head(step_bytes: int, head) -> bool:
     """Under ``"auto"``, for a model whose decode step reads ``step_bytes`` bytes of weights from
     ``AUTO_Q8_HEAD_BYTES`` up to ``AUTO_Q8_BYTES`` (Gemma 3 270M: 235 MiB, its head 170 MiB of them), mark
     its output head (a ``CPUBlockWeight``) to multiply int8 activations (``head.auto_q8``) for any number
-    of rows, while its layers keep the process's mode. The head is the largest product per row there
+    of rows (its layers: :func:`auto_q8_layers`). The head is the largest product per row there
     (262,144 x 640: in fp32 an extra verify or batch row costs ~2.5 ms of a ~12 ms step on a 2-core Zen 4;
     in int8 its rows share one pass over the weights, so 2-4 rows cost about what one does,
     ``benchmarks/step_costs.py``), and as every row of it takes the same path the logits of a position

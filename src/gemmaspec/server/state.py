@@ -143,7 +143,9 @@ def new_state(cfg: ServeConfig, on_ready=None, on_load_error=None) -> ServerStat
                  f", p_min {m.p_min:g}" if spec_model_type(m.spec_type) else "",
                  ", each round's draft length chosen per slot from measured costs, up to n_max"
                  if cfg.choose_n and m.spec_type != "none" else "",
-                 "; int8 activations (--act-quant q8_0, or auto for a model this size)" if kernels.act_quant() == "q8_0" else "",
+                 "; int8 activations (--act-quant q8_0, or auto for a model this size)" if kernels.act_quant() == "q8_0"
+                 else "; int8 activations in the head and layers (--act-quant auto for a model this size)"
+                 if getattr(getattr(m.engine.model, "head", None), "auto_q8", False) else "",
                  "" if scheduler.batched else "; this model has no batched forward, slots take turns")
         if on_ready:
             on_ready()
