@@ -93,8 +93,8 @@ def set_act_quant(mode: str) -> None:
     (:func:`resolve_act_quant`): q8_0 for models whose decode step reads at least ``AUTO_Q8_BYTES``
     of weights (Gemma 4 E2B and larger: there the fp32 products are compute-bound on a CPU, and
     llama.cpp computes the same way), none below, but from ``AUTO_Q8_HEAD_BYTES`` (Gemma 3 270M) a
-    model's output head (:func:`auto_q8_head`) and its layer products whose weights the x8 layout holds
-    (Q4_0, Q8_0, Q5_0: :func:`auto_q8_layers`) multiply int8 activations.
+    model's output head (:func:`auto_q8_head`) and its layer products whose weights the 8-row int8
+    layouts hold (Q4_0, Q8_0, Q5_0, Q4_K, Q6_K: :func:`auto_q8_layers`) multiply int8 activations.
     Either mode is batch-invariant, so speculative decoding stays lossless within it. With q8_0 the
     many-row products of a prefill go through the same integer kernel; with none they stay PyTorch's
     float32 matmul. ``GEMMASPEC_ACT_QUANT`` sets the initial mode.
@@ -340,9 +340,9 @@ def matmul_library(isa: str = "auto"):
     lib.gs_repack_x8.argtypes = [I, P, ctypes.c_long, I, P, I]
     lib.gs_repack_x8.restype = I
     lib.gs_repack_r8.argtypes = [I, P, ctypes.c_long, I, P, I]
+    lib.gs_repack_r8.restype = I
     lib.gs_repack_i8x8.argtypes = [I, P, ctypes.c_long, I, P, P, P, I]
     lib.gs_repack_i8x8.restype = I
-    lib.gs_repack_r8.restype = I
     lib.gs_isa.argtypes = []
     lib.gs_isa.restype = ctypes.c_char_p
     lib.gs_pool_check.argtypes = [ctypes.c_long, I]

@@ -100,8 +100,8 @@ def regroup_in_background(weights) -> threading.Thread | None:
     Skipped (None) when the copies would take more than a quarter of the available memory, without the
     C kernel, on kernel paths that read only the stored layout, in the int8-activation mode (whose
     repacked layout sums in another order than the stored one; weights marked ``auto_q8``, a mid-sized
-    model's head and x8-able layer products, are skipped for the same reason), and with ``GEMMASPEC_REGROUP=first-use``
-    (the regroup then happens at each weight's first product, as before).
+    model's head and layer products, are skipped for the same reason), and with
+    ``GEMMASPEC_REGROUP=first-use`` (the regroup then happens at each weight's first product, as before).
 
     Args:
         weights: the weights products will run on (others, and weights already regrouped, are skipped),

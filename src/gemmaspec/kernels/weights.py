@@ -41,7 +41,7 @@ class CPUBlockWeight(BlockWeight):
     # int8 activations for this weight's products under ``--act-quant auto`` whatever the process's mode
     # (build.set_act_quant); an explicit ``none`` or ``q8_0`` still rules. Set by
     # :func:`~gemmaspec.kernels.build.auto_q8_head` (a mid-sized model's head) and
-    # :func:`~gemmaspec.kernels.build.auto_q8_layers` (its layer products that the x8 layout holds).
+    # :func:`~gemmaspec.kernels.build.auto_q8_layers` (its layer products that the 8-row layouts hold).
     auto_q8: bool = False
 
     def _q8(self) -> bool:
@@ -359,7 +359,8 @@ class StoredWeight(CPUBlockWeight):
                 return self._segments()
         return [(_X8[self.qtype], self._x8, None, None, 32, n)]
 
-    def _repacked(self, repack, nthreads: int | None = None, stop=None, row_bytes: int | None = None) -> torch.Tensor | None:
+    def _repacked(self, repack, nthreads: int | None = None, stop=None,
+                  row_bytes: int | None = None) -> torch.Tensor | None:
         """A copy of the rows in another layout (``repack``: ``gs_repack_x8`` or ``gs_repack_r8``) of
         ``row_bytes`` bytes per row (default: the stored size), built chunk by chunk on ``nthreads``
         threads (default :func:`threads`), each chunk's stored pages released once copied (so the peak

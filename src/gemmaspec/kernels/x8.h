@@ -1,7 +1,8 @@
 /*
  * Q4_0 and Q8_0 weights (and Q5_0, as the Q8_0 blocks of the same values) repacked 8 rows at a time
- * for the int8-activation products (included by qmatmul.c after qdot8.h). The idea is llama.cpp's (ggml-cpu repack.cpp, block_q4_0x8): interleave the
- * blocks of 8 weight rows so that one activation load and one vector of 8 scales serve 8 rows, and the
+ * for the int8-activation products (included by qmatmul.c after qdot8.h); K-quants as FMT_I8X8 (below).
+ * The idea is llama.cpp's (ggml-cpu repack.cpp, block_q4_0x8): interleave the blocks of 8 weight rows
+ * so that one activation load and one vector of 8 scales serve 8 rows, and the
  * 8 rows' integer dot products land in the 8 lanes of one register, with no horizontal sums; one weight
  * stream per group of rows. The layout and the code here are this project's own.
  *

@@ -55,10 +55,10 @@ def load_checkpoint(path: str | os.PathLike | None, device: torch.device | str =
     else:
         from .. import kernels
 
-        if loaded.arch.role == "target":  # a mid-sized model's head and x8-able layers: int8 activations under auto
-            head = getattr(loaded.model, "head", None)
-            kernels.auto_q8_head(step_bytes(loaded.model), head)
-            kernels.auto_q8_layers(step_bytes(loaded.model), [w for w in product_weights(loaded.model) if w is not head])
+        if loaded.arch.role == "target":  # a mid-sized model's head and layers: int8 activations under auto
+            head, nbytes = getattr(loaded.model, "head", None), step_bytes(loaded.model)
+            kernels.auto_q8_head(nbytes, head)
+            kernels.auto_q8_layers(nbytes, [w for w in product_weights(loaded.model) if w is not head])
         kernels.regroup_in_background(product_weights(loaded.model))
     return loaded
 

@@ -301,8 +301,10 @@ def _linear_rows(w, x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """:func:`linear` over the rows of several sequences (sequence j's rows are ``bounds[j]:bounds[j + 1]``),
     each row computed as that sequence's own forward computes it: a sequence of more than ``SMALL_M``
     rows (a prefill chunk) in a product of its own, as :meth:`Gemma3Model.forward` does; the rows of the
-    shorter ones (decode, verify) at most ``SMALL_M`` at a time through the batch-invariant C kernel. So
-    a request's output never depends on what shared its batch, in any activation mode."""
+    shorter ones (decode, verify) at most ``SMALL_M`` at a time through the batch-invariant C kernel (a
+    weight whose products multiply int8 activations: all rows in one call, the kernel's bits for any
+    number of rows). So a request's output never depends on what shared its batch, in any activation
+    mode."""
     if not isinstance(w, BlockWeight) or x.shape[0] <= SMALL_M or getattr(w, "_q8", bool)():
         return linear(w, x)  # (int8 activations: one kernel for any number of rows, batch-invariant)
     parts, run = [], bounds[0]  # run: the first row of the short sequences not yet multiplied
