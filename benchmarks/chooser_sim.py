@@ -19,7 +19,8 @@ every draft step per batch size, and the planning time; the sim uses their media
 for each drafter, kind and user count in the bench's order (one planner per drafter, its pooled
 estimates carried across phases), no speculation, each fixed length 1-3 and the chosen lengths up to
 3, and reports the chosen lengths' tokens/s against the best fixed configuration per kind. ``--variant``:
-``base`` (the shipped planner), ``before`` (the planner before these replays), ``oracle`` (each kind's
+``base`` (the shipped planner), ``before`` (the planner before these replays), ``explore`` (the one
+tuned on them before verify rows got cheap), ``oracle`` (each kind's
 true acceptance by position, known in advance: the ceiling of a choice from per-position rates), or
 ``key=value+...`` overriding :data:`VARIANT`. ``--trace a,b`` replays several traces' kinds together.
 Writes benchmarks/results/<out>.json and .md, the machine named.
@@ -42,8 +43,8 @@ from pathlib import Path
 
 from common import ROOT, machine, write_results
 
-from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, PRIOR_WEIGHT, Acceptance, CostModel, SlotView,
-                                           choose)
+from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, PRIOR_WEIGHT, REQUEST_DECAY, Acceptance,
+                                           CostModel, SlotView, choose)
 from gemmaspec.speculative.options import MAX_DRAFT_TOKENS
 
 SPEC_TYPES = ("ngram-simple,draft-mtp", "draft-mtp")
@@ -356,9 +357,10 @@ class _LineCost(CostModel):
         return super().verify_seconds(seqs, rows)
 
 
-VARIANT = dict(w=PRIOR_WEIGHT, d=0.95, pw=2.0, pd=0.99, e=EXPLORE, ea=1, es=EXPLORE_SLOTS, tol=0.01, line=0)
+VARIANT = dict(w=PRIOR_WEIGHT, d=REQUEST_DECAY, pw=2.0, pd=0.99, e=EXPLORE, ea=1, es=EXPLORE_SLOTS, tol=0.01, line=0)
 """The shipped planner's parameters (``speculative/chooser.py``, ``planner.py``); ``before`` is
-``w=1+ea=0+es=0``, the planner before the replays."""
+``w=1+ea=0+es=0+e=1+d=0.95``, the planner before the replays; ``explore`` (``e=1+d=0.95``) the one
+tuned on them before the layers' int8 products made verify rows cheap."""
 
 
 def _variant(name: str):
@@ -368,7 +370,9 @@ def _variant(name: str):
     tolerance; line: the per-slot-count level cost model)."""
     v = dict(VARIANT)
     if name == "before":
-        name = "w=1+ea=0+es=0"
+        name = "w=1+ea=0+es=0+e=1+d=0.95"
+    elif name == "explore":
+        name = "e=1+d=0.95"
     if name not in ("base", "oracle"):
         for part in name.split("+"):
             k, val = part.split("=")
@@ -415,8 +419,8 @@ def sim(args) -> None:
     try:
         _variant(args.variant)
     except (ValueError, KeyError):
-        raise SystemExit(f"error: --variant {args.variant!r}: use base, before, oracle or key=value+... with keys "
-                         f"{', '.join(VARIANT)}") from None
+        raise SystemExit(f"error: --variant {args.variant!r}: use base, before, explore, oracle or key=value+... "
+                         f"with keys {', '.join(VARIANT)}") from None
     tr = {"kinds": {}}
     for name in args.trace.split(","):  # several traces: their kinds side by side
         one = _load(name, "trace")

@@ -33,10 +33,11 @@ from typing import Protocol, Sequence
 PRIOR_FIRST = 0.85
 """Prior acceptance of a first draft token (the adaptive controller's), before anything is measured."""
 
-EXPLORE = 1.0
+EXPLORE = 2.0
 """Width of the upper confidence bound on a request's acceptance the planner chooses with at one slot
 (:meth:`Acceptance.rates`'s ``explore``); with S slots it is ``EXPLORE / S ** EXPLORE_SLOTS``
-(:func:`explore_width`)."""
+(:func:`explore_width`). 2 since verify rows got cheap (the layers' int8 products): a test of a longer
+draft costs less, and the replays on those costs gain from testing more (docs/server.md)."""
 
 EXPLORE_SLOTS = 1.5
 """How fast exploration narrows with the slots of a round: a slot's extra rows cost the whole batch's
@@ -47,6 +48,10 @@ rounds; docs/server.md, "Replaying the choice offline")."""
 PRIOR_WEIGHT = 2.0
 """Weight, in rounds, of the pooled estimate in a request's own (:class:`Acceptance`'s ``weight``):
 one missed draft moves a position's estimate by a third, not a half."""
+
+REQUEST_DECAY = 0.9
+"""Decay per round of a request's own counts (:class:`Acceptance`'s ``decay``): its estimates follow
+the text's current stretch (a list, then prose) within ~10 rounds."""
 
 
 def explore_width(slots: int) -> float:

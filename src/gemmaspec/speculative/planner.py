@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from .batch import Preview, draft_batch, preview
-from .chooser import PRIOR_WEIGHT, Acceptance, Choice, CostModel, SlotView, choose, explore_width
+from .chooser import (PRIOR_WEIGHT, REQUEST_DECAY, Acceptance, Choice, CostModel, SlotView, choose,
+                      explore_width)
 from .drafters import Draft, NoDrafter
 from .options import MAX_DRAFT_TOKENS
 
@@ -101,7 +102,7 @@ class RoundPlanner:
         name = (source, what)
         if name not in mine:
             parent = self.pooled.setdefault(name, Acceptance(MAX_DRAFT_TOKENS + 1, decay=0.99, weight=2.0))
-            mine[name] = Acceptance(MAX_DRAFT_TOKENS + 1, parent=parent, weight=PRIOR_WEIGHT)
+            mine[name] = Acceptance(MAX_DRAFT_TOKENS + 1, decay=REQUEST_DECAY, parent=parent, weight=PRIOR_WEIGHT)
         return mine[name]
 
     def begin(self, slots: list[tuple[int, object]]) -> list:
