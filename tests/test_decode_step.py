@@ -52,3 +52,30 @@ def test_one_call_step_equals_the_per_op_step(engine, monkeypatch, mode):
             assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
     finally:
         kernels.set_act_quant(before)
+
+
+def test_a_prefill_gives_each_row_the_bits_of_a_decode_step_under_auto(engine):
+    """Under ``--act-quant auto`` the default model's products are int8 and batch-invariant and a prefill's
+    attention runs 16 query rows at a time through the decode kernel, so a 40-token prefill (one chunk, or
+    20 + 20), 4-row verifies and 1-row decode steps give every position the same logits bit for bit: a
+    cached prompt's last position equals a fresh one's, and seeded sampling is the same with and without
+    speculation on every path."""
+    if kernels.load_library() is None:
+        pytest.skip("no C compiler")
+    before = kernels.act_quant()
+    kernels.set_act_quant("auto")
+    try:
+        model = engine.model
+        ids = torch.tensor(engine.tokenizer.encode("def add(a, b):\n    return a + b\n\n" * 4)[:40])
+        assert ids.shape[0] == 40
+
+        def run(chunks):
+            cache = model.new_cache(128)
+            return torch.cat([model.forward(ids[a:b], cache, all_logits=True).logits for a, b in chunks])
+
+        decode = run([(i, i + 1) for i in range(40)])
+        assert torch.equal(run([(0, 40)]), decode)
+        assert torch.equal(run([(0, 20), (20, 40)]), decode)
+        assert torch.equal(run([(i, i + 4) for i in range(0, 40, 4)]), decode)
+    finally:
+        kernels.set_act_quant(before)
