@@ -245,12 +245,12 @@ def test_cli_flag_sets_the_mode(model_path, capsys):
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0x8", "Q8_0x8", "Q5_0x8", "Q4_Kx8", "Q6_Kx8"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16, 17, 23])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 23])
 def test_two_groups_per_pass_give_the_same_bits(libs, fmt, m):
     """The AVX-512 path runs two groups of 8 repacked rows per pass once x has 2+ rows (each activation
     broadcast serves 16 weight rows): with 40 rows (two pairs and a single group) and 1-23 rows of x (4
-    at a time, so from 5 a last chunk of 1-3), every path gives the portable reference's bits, and each
-    row alone gives its bits in the batch."""
+    at a time, 8 for Q4_0 with VNNI, so a last chunk of 1-7; the single group then takes them 4 at a time),
+    every path gives the portable reference's bits, and each row alone gives its bits in the batch."""
     ref, built = libs
     rng = np.random.default_rng(m)
     k = 512 if fmt[:4] in ("Q4_K", "Q6_K") else 32 * 7

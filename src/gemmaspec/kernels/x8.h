@@ -23,7 +23,9 @@
  * 8 lanes of 4 values) by float rounding only: the same exact integers per block, summed in another order.
  *
  * With AVX-512 VNNI, Q4_0 and 2+ rows of x, two groups share each 512-bit register (x8_pair_q4_zmm):
- * the same operations per lane in half the instructions per activation row.
+ * the same operations per lane in half the instructions per activation row, for up to 8 rows of x per
+ * pass over the weights (X8_ZMM_ROWS; the other paths take Q8_ROWS = 4), so a batched draft step of 8
+ * slots unpacks each weight block once instead of twice.
  */
 
 #define FMT_Q4_0X8 6
@@ -183,6 +185,7 @@ static inline __attribute__((always_inline)) void x8_groups_avx(const int fmt, c
 
 #if defined(GS_AVX512) && defined(Q8_VNNI) && defined(__AVX512DQ__)
 #define X8_ZMM 1
+#define X8_ZMM_ROWS 8 /* rows of x per pass of x8_pair_q4_zmm: 8 accumulators + 8 levels + temporaries of 32 */
 /* x8_groups_avx for Q4_0, G = 2, in 512-bit registers: group 0's 8 rows in the low 256 bits and group 1's
  * in the high 256 bits of each level, scale and accumulator register, so one VNNI dot product, one
  * conversion and one fused multiply-add serve 16 weight rows for an activation row (half the
@@ -195,7 +198,7 @@ static inline __attribute__((always_inline)) void x8_pair_q4_zmm(const uint8_t *
     const int nb = K / 32;
     const long xb = x8_block(FMT_Q4_0X8);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512 acc[Q8_ROWS];
+    __m512 acc[X8_ZMM_ROWS];
     for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *b0 = wg + (long)b * xb, *b1 = b0 + gstride;
@@ -322,12 +325,17 @@ static inline __attribute__((always_inline)) void x8_tile(const int fmt, const g
         rebuilt_rows_tile(fmt, x8_stored(fmt), x8_row_to_stored, sg, K, x, M, y, ldy, t);
         return;
     }
-    for (int m0 = 0; m0 < M; m0 += Q8_ROWS) {
-        const int mm = M - m0 < Q8_ROWS ? M - m0 : Q8_ROWS;
+#if defined(X8_ZMM)
+    const int pass = fmt == FMT_Q4_0X8 ? X8_ZMM_ROWS : Q8_ROWS; /* rows of x per pass over the weights */
+#else
+    const int pass = Q8_ROWS;
+#endif
+    for (int m0 = 0; m0 < M; m0 += pass) {
+        const int mm = M - m0 < pass ? M - m0 : pass;
         const int8_t *a = aq + (long)m0 * K;
         const float *d = da + (long)m0 * nb;
-        int32_t stack[Q8_ROWS * 256];
-        int32_t *as = mm * nb <= Q8_ROWS * 256 ? stack : (int32_t *)malloc(sizeof(int32_t) * (size_t)mm * nb);
+        int32_t stack[8 * 256];
+        int32_t *as = mm * nb <= 8 * 256 ? stack : (int32_t *)malloc(sizeof(int32_t) * (size_t)mm * nb);
         if (!as) return;
         for (int m = 0; m < mm; m++) /* block sums of the activations, once per tile */
             for (int b = 0; b < nb; b++) {
@@ -340,13 +348,17 @@ static inline __attribute__((always_inline)) void x8_tile(const int fmt, const g
         for (; mm >= 2 && n + 16 <= n1; n += 16) { /* two groups per pass: each activation broadcast serves 16 rows */
             const long gs = (long)nb * x8_block(fmt);
             const uint8_t *wg = (const uint8_t *)sg->w + (long)(n >> 3) * gs;
-            float res[2 * Q8_ROWS * 8];
+            float res[2 * 8 * 8];
 #if defined(X8_ZMM)
             if (fmt == FMT_Q4_0X8) {
                 switch (mm) {
                     case 2: x8_pair_q4_zmm(wg, gs, K, a, d, as, 2, res); break;
                     case 3: x8_pair_q4_zmm(wg, gs, K, a, d, as, 3, res); break;
-                    default: x8_pair_q4_zmm(wg, gs, K, a, d, as, 4, res); break;
+                    case 4: x8_pair_q4_zmm(wg, gs, K, a, d, as, 4, res); break;
+                    case 5: x8_pair_q4_zmm(wg, gs, K, a, d, as, 5, res); break;
+                    case 6: x8_pair_q4_zmm(wg, gs, K, a, d, as, 6, res); break;
+                    case 7: x8_pair_q4_zmm(wg, gs, K, a, d, as, 7, res); break;
+                    default: x8_pair_q4_zmm(wg, gs, K, a, d, as, 8, res); break;
                 }
             } else
 #endif
@@ -363,15 +375,21 @@ static inline __attribute__((always_inline)) void x8_tile(const int fmt, const g
 #endif
         for (; n < n1; n += 8) {
             const uint8_t *wg = (const uint8_t *)sg->w + (long)(n >> 3) * nb * x8_block(fmt);
-            float res[Q8_ROWS * 8];
-            switch (mm) {
-                case 1: x8_group(fmt, wg, K, a, d, as, 1, res); break;
-                case 2: x8_group(fmt, wg, K, a, d, as, 2, res); break;
-                case 3: x8_group(fmt, wg, K, a, d, as, 3, res); break;
-                default: x8_group(fmt, wg, K, a, d, as, 4, res); break;
+            for (int q0 = 0; q0 < mm; q0 += Q8_ROWS) { /* a single group takes Q8_ROWS rows of x at a time */
+                const int mq = mm - q0 < Q8_ROWS ? mm - q0 : Q8_ROWS;
+                const int8_t *aq0 = a + (long)q0 * K;
+                const float *d0 = d + (long)q0 * nb;
+                const int32_t *as0 = as + (long)q0 * nb;
+                float res[Q8_ROWS * 8];
+                switch (mq) {
+                    case 1: x8_group(fmt, wg, K, aq0, d0, as0, 1, res); break;
+                    case 2: x8_group(fmt, wg, K, aq0, d0, as0, 2, res); break;
+                    case 3: x8_group(fmt, wg, K, aq0, d0, as0, 3, res); break;
+                    default: x8_group(fmt, wg, K, aq0, d0, as0, 4, res); break;
+                }
+                for (int m = 0; m < mq; m++)
+                    for (int r = 0; r < 8; r++) y[(long)(m0 + q0 + m) * ldy + sg->col + n + r] = res[8 * m + r];
             }
-            for (int m = 0; m < mm; m++)
-                for (int r = 0; r < 8; r++) y[(long)(m0 + m) * ldy + sg->col + n + r] = res[8 * m + r];
         }
         if (as != stack) free(as);
     }
