@@ -20,7 +20,8 @@ for each drafter, kind and user count in the bench's order (one planner per draf
 estimates carried across phases), no speculation, each fixed length 1-3 and the chosen lengths up to
 3, and reports the chosen lengths' tokens/s against the best fixed configuration per kind. ``--variant``:
 ``base`` (the shipped planner), ``before`` (the planner before these replays), ``explore`` (the one
-tuned on them before verify rows got cheap), ``oracle`` (each kind's
+tuned on them before verify rows got cheap), ``ratio`` (the shipped one maximising each round's own
+tokens per second instead of weighing seconds at the measured rate), ``oracle`` (each kind's
 true acceptance by position, known in advance: the ceiling of a choice from per-position rates), or
 ``key=value+...`` overriding :data:`VARIANT`. ``--trace a,b`` replays several traces' kinds together.
 Writes benchmarks/results/<out>.json and .md, the machine named.
@@ -43,8 +44,8 @@ from pathlib import Path
 
 from common import ROOT, machine, write_results
 
-from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, PRIOR_WEIGHT, REQUEST_DECAY, Acceptance,
-                                           CostModel, SlotView, choose)
+from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS,
+                                           REQUEST_DECAY, Acceptance, CostModel, SlotView, choose)
 from gemmaspec.speculative.options import MAX_DRAFT_TOKENS
 
 SPEC_TYPES = ("ngram-simple,draft-mtp", "draft-mtp")
@@ -229,6 +230,19 @@ class SimPlanner:
         self.make_acc = acceptance or _variant("base")[0]  # default: the shipped planner's estimates
         self.pooled: dict = {}
         self.per_slot: dict = {}
+        self.lam_decay, self.lam_min = 0.0, 5.0  # the rate the choice weighs seconds at (variant lam, lmin)
+        self.rates: dict = {}  # slots -> [decayed tokens, decayed seconds, decayed rounds]
+
+    def rate_for(self, slots: int):
+        got = self.rates.get(slots)
+        if not self.lam_decay or got is None or got[2] < self.lam_min:
+            return None
+        return got[0] / got[1]
+
+    def observe_rate(self, slots: int, tokens: float, seconds: float) -> None:
+        got = self.rates.setdefault(slots, [0.0, 0.0, 0.0])
+        d = self.lam_decay
+        got[0], got[1], got[2] = d * got[0] + tokens, d * got[1] + seconds, d * got[2] + 1.0
 
     def acc(self, slot: int, source: str, what: str = "gain") -> Acceptance:
         mine = self.per_slot.setdefault(slot, {})
@@ -281,11 +295,12 @@ def simulate_phase(pl: SimPlanner, positions: dict, users: int, spec_type: str, 
                         v.cont = oracle[(source, "cont")][:cap]
             views.append(v)
             info.append((s, drafted, acc, source, cap))
-        if choose_n and any(v.cap > 0 for v in views):
-            ns = chooser(views, pl.cost).ns
+        planned = choose_n and any(v.cap > 0 for v in views)
+        if planned:
+            ns = chooser(views, pl.cost, pl.rate_for(S)).ns
         else:
             ns = [v.fixed or 0 if v.fixed is not None else 0 for v in views]
-        rows = S
+        rows, tokens0 = S, tokens
         steps = collections.Counter()
         model_drafted = False
         for (s, drafted, acc, source, cap), n in zip(info, ns):
@@ -323,6 +338,8 @@ def simulate_phase(pl: SimPlanner, positions: dict, users: int, spec_type: str, 
         pl.cost.observe_verify(S, rows, t_verify)
         pl.cost.observe_overhead(S, model_drafted, min(t_over, 0.25 * t_verify))
         seconds += t_verify + t_steps + t_over
+        if planned:
+            pl.observe_rate(S, tokens - tokens0, t_verify + t_steps + t_over)
     return seconds, tokens, chosen
 
 
@@ -357,10 +374,13 @@ class _LineCost(CostModel):
         return super().verify_seconds(seqs, rows)
 
 
-VARIANT = dict(w=PRIOR_WEIGHT, d=REQUEST_DECAY, pw=2.0, pd=0.99, e=EXPLORE, ea=1, es=EXPLORE_SLOTS, tol=0.01, line=0)
+VARIANT = dict(w=PRIOR_WEIGHT, d=REQUEST_DECAY, pw=2.0, pd=0.99, e=EXPLORE, ea=1, es=EXPLORE_SLOTS, tol=0.01, line=0,
+               lam=RATE_DECAY, lmin=RATE_MIN_ROUNDS)
 """The shipped planner's parameters (``speculative/chooser.py``, ``planner.py``); ``before`` is
-``w=1+ea=0+es=0+e=1+d=0.95``, the planner before the replays; ``explore`` (``e=1+d=0.95``) the one
-tuned on them before the layers' int8 products made verify rows cheap."""
+``w=1+ea=0+es=0+e=1+d=0.95+lam=0``, the planner before the replays; ``explore`` (``e=1+d=0.95+lam=0``) the
+one tuned on them before the layers' int8 products made verify rows cheap; ``ratio`` (``lam=0``) each
+round's own tokens per second maximised, as before the measured rate (lam: its decay per round, lmin:
+rounds before it is used)."""
 
 
 def _variant(name: str):
@@ -370,9 +390,11 @@ def _variant(name: str):
     tolerance; line: the per-slot-count level cost model)."""
     v = dict(VARIANT)
     if name == "before":
-        name = "w=1+ea=0+es=0+e=1+d=0.95"
+        name = "w=1+ea=0+es=0+e=1+d=0.95+lam=0"
     elif name == "explore":
-        name = "e=1+d=0.95"
+        name = "e=1+d=0.95+lam=0"
+    elif name == "ratio":
+        name = "lam=0"
     if name not in ("base", "oracle"):
         for part in name.split("+"):
             k, val = part.split("=")
@@ -419,7 +441,7 @@ def sim(args) -> None:
     try:
         _variant(args.variant)
     except (ValueError, KeyError):
-        raise SystemExit(f"error: --variant {args.variant!r}: use base, before, explore, oracle or key=value+... "
+        raise SystemExit(f"error: --variant {args.variant!r}: use base, before, explore, ratio, oracle or key=value+... "
                          f"with keys {', '.join(VARIANT)}") from None
     tr = {"kinds": {}}
     for name in args.trace.split(","):  # several traces: their kinds side by side
@@ -437,7 +459,8 @@ def sim(args) -> None:
         for st in SPEC_TYPES:
             make, cost, v = _variant(args.variant)
             pl = SimPlanner(truth, make, cost)
-            chooser = lambda views, c: choose(views, c, tolerance=v["tol"])  # noqa: E731
+            pl.lam_decay, pl.lam_min = v["lam"], v["lmin"]
+            chooser = lambda views, c, r=None: choose(views, c, tolerance=v["tol"], rate=r)  # noqa: E731
             for kind in kinds:
                 pos = tr["kinds"][kind][st]["positions"]
                 oracle = _true_rates(pos, st) if args.variant == "oracle" else None

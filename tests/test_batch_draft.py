@@ -18,7 +18,9 @@ from gemmaspec.models import assistant_step
 from gemmaspec.request import RequestOptions
 from gemmaspec.sampling import SamplingParams
 from gemmaspec.server.scheduler import Job, Scheduler
+import gemmaspec.speculative.planner as planner_mod
 from gemmaspec.speculative.batch import mtp_batch, preview
+from gemmaspec.speculative.chooser import RATE_MIN_ROUNDS
 from gemmaspec.speculative.config import SpecConfig
 from gemmaspec.speculative.plan import build, plan
 
@@ -164,10 +166,18 @@ def test_scheduler_rounds_equal_plain_output(engine, factory, choose):
         return orig(x, *args, **kw)
 
     a.draft_steps = spy
+    rates, orig_choose = [], planner_mod.choose
+
+    def choose_spy(views, costs, **kw):
+        rates.append((len(views), kw.get("rate")))
+        return orig_choose(views, costs, **kw)
+
+    planner_mod.choose = choose_spy
     try:
         got, jobs, sched = _serve(engine, chain, spec, n_slots=3)
     finally:
         del a.draft_steps
+        planner_mod.choose = orig_choose
     plain = [[t for e in engine.generate(engine.tokenizer.encode(p), params) for t in e.tokens]
              for p, params, _ in spec]
     assert got == plain
@@ -181,3 +191,11 @@ def test_scheduler_rounds_equal_plain_output(engine, factory, choose):
         # holding the one-off calibration or a warm-up stall (about a millisecond per round here)
         over = sched.planner.cost.overhead
         assert any(d for _, d in over) and all(v[0] < 0.05 for v in over.values()), over
+        # the first rounds of a slot count maximise their own ratio; after RATE_MIN_ROUNDS of them the
+        # planner weighs seconds at the rate those rounds made (kept tokens over their seconds)
+        assert rates[0][1] is None
+        later = [(n, r) for n, r in rates if r is not None]
+        assert later and all(1.0 < r < 1e5 for _, r in later), rates
+        s = later[-1][0]
+        t, sec, n, _ = sched.planner._rates[s]
+        assert n >= RATE_MIN_ROUNDS and sched.planner.rate_for(s) == pytest.approx(t / sec)

@@ -1,9 +1,11 @@
 """The per-round choice of draft lengths for a batch (speculative/chooser.py), as pure functions with
 fake cost models: no drafting when verify rows are expensive and acceptance low, the full length when
 rows are free, batched drafting's shared steps, fixed slots, n-min; the cost model's calibration and
-online corrections; acceptance by position."""
+online corrections; acceptance by position; the measured rate a round's seconds are weighed at."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, PRIOR_WEIGHT, Acceptance, CostModel, SlotView, choose,
                                            expected_tokens, explore_width)
@@ -270,3 +272,34 @@ def test_the_reported_tokens_use_the_estimates_without_the_exploration_bound():
     got = choose([SlotView(2, [0.9, 0.5], "draft-mtp", plain=[0.6, 0.5])], FakeCosts(base=0.010))
     assert got.ns == [2]
     assert got.tokens == pytest.approx(1 + 0.6 + 0.3)
+
+
+def test_a_measured_rate_weighs_seconds_over_rounds_not_within_one():
+    """One slot, an n-gram draft (free) with acceptance 0.9, 0.5, 0.5; a forward of 10 ms + 3 ms per row.
+    The round's own ratio peaks at 1 token (1.9 / 13 ms; 2 tokens: 2.35 / 16 ms is within the
+    tolerance); when the server makes only 100 tokens of a second, the second token's 0.45 tokens for
+    3 ms (150 / s) pays and it drafts 2. A server making 200 tokens of a second drafts a poor slot
+    (0.5) not at all, where the round's own ratio (1.5 / 13 ms > 1 / 10 ms) would."""
+    costs = FakeCosts(base=0.010, per_row=0.003)
+    good = [SlotView(3, [0.9, 0.5, 0.5])]
+    assert choose(good, costs).ns == [1]
+    got = choose(good, costs, rate=100.0)
+    assert got.ns == [2] and got.tokens == pytest.approx(2.35) and got.seconds == pytest.approx(0.016)
+    poor = [SlotView(3, [0.5, 0.5, 0.5])]
+    assert choose(poor, costs).ns == [1]
+    assert choose(poor, costs, rate=200.0).ns == [0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(rates=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6),
+       base=st.floats(0.001, 0.05), per_row=st.floats(0.0, 0.02), step=st.floats(0.0, 0.003),
+       model=st.booleans())
+def test_at_the_rounds_own_best_rate_both_criteria_agree(rates, base, per_row, step, model):
+    """Dinkelbach's fixed point: with the rate set to the best ratio a round can reach, the length that
+    maximises tokens - rate * seconds reaches that ratio too (one slot, no tolerance: the search
+    tries every length)."""
+    view = [SlotView(len(rates), rates, "draft-mtp" if model else "")]
+    costs = FakeCosts(base=base, per_row=per_row, step0=step)
+    best = choose(view, costs, tolerance=0.0)
+    got = choose(view, costs, tolerance=0.0, rate=best.rate)
+    assert got.rate == pytest.approx(best.rate, rel=1e-9)

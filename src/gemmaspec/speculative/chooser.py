@@ -8,6 +8,16 @@ maximise the batch's expected tokens per second,
     tokens(n) = sum_i E_i(n_i),   E_i(n) = 1 + sum_{j=1..n} prod_{k<=j} a_{i,k}
     seconds(n) = verify(S, S + sum_i n_i) + drafting(n) + overhead(S, any model drafts)
 
+Over many rounds, not one: the server's tokens per second is the sum of the rounds' tokens over the
+sum of their seconds, so a round's extra draft pays when what it adds, d tokens / d seconds, beats the
+rate the server makes of a second (``rate``: measured over the recent rounds of this many slots), not
+this round's own average. The planner passes that rate once it has one and :func:`choose` then
+maximises ``tokens(n) - rate * seconds(n)`` (the renewal-reward criterion; Dinkelbach's method for a
+ratio of sums): a round whose slots draft well drafts longer, a poor one less, than each round's own
+ratio would have them. Replayed on the bench's traces (``benchmarks/chooser_sim.py``, variant ``lam``)
+this lifted the default list drafter from 0.976 / 0.982 / 0.980 of the best fixed length at 2 / 4 / 8
+users to 0.983 / 0.989 / 0.982 (docs/server.md).
+
 where ``a_{i,k}`` is slot i's chance of gaining draft position k given it gained k-1
 (:class:`Acceptance`: a position its drafter was asked for but did not draft, stopped by its p-min,
 counts as not gained), ``verify(S, R)`` the seconds of a round of S slots and R rows (forward,
@@ -48,6 +58,13 @@ rounds; docs/server.md, "Replaying the choice offline")."""
 PRIOR_WEIGHT = 2.0
 """Weight, in rounds, of the pooled estimate in a request's own (:class:`Acceptance`'s ``weight``):
 one missed draft moves a position's estimate by a third, not a half."""
+
+RATE_DECAY = 0.98
+"""Decay per planned round of the tokens and seconds behind the planner's measured rate for a slot count
+(:func:`choose`'s ``rate``): about the last 50 rounds of that many slots."""
+
+RATE_MIN_ROUNDS = 5.0
+"""Decayed rounds of a slot count before its measured rate is used (before: each round's own ratio)."""
 
 REQUEST_DECAY = 0.9
 """Decay per round of a request's own counts (:class:`Acceptance`'s ``decay``): its estimates follow
@@ -190,7 +207,7 @@ class Costs(Protocol):
     # model); :func:`choose` adds it when the cost model has it (:meth:`CostModel.overhead_seconds`).
 
 
-def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> Choice:
+def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01, rate: float | None = None) -> Choice:
     """Each slot's draft length for this round: the ``n`` that maximises expected tokens per second
     of the whole batch (see the module docstring), searched from the best uniform length by
     per-slot improvement; a change must promise more than ``tolerance`` (relative) more tokens per
@@ -201,6 +218,9 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
         slots: one :class:`SlotView` per slot in the round.
         costs: the cost model (:class:`Costs`).
         tolerance: relative gain a change must bring.
+        rate: tokens per second the server makes of a second at this load (measured), or None: then
+            the round's own ratio is maximised; with it, ``tokens - rate * seconds`` is, and a change
+            must add more than ``tolerance * rate`` times the round's seconds.
 
     Returns:
         :class:`Choice` with ``ns[i]`` in ``{0} ∪ [n_min_i, cap_i]`` (``fixed_i`` for a fixed slot,
@@ -257,7 +277,12 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
     def score(ns) -> tuple[float, float, float]:
         t = sum(g[k] for g, k in zip(gain, ns))
         s = seconds(ns)
-        return t / s, t, s
+        return (t / s if rate is None else t - rate * s), t, s
+
+    def better(got, old) -> bool:  # by more than the tolerance
+        if rate is None:
+            return got[0] > old[0] * (1 + tolerance)
+        return got[0] > old[0] + tolerance * rate * got[2]
 
     def allowed(i: int, k: int) -> bool:
         return k == 0 or k >= slots[i].n_min
@@ -268,7 +293,7 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
         trial = [f if f is not None else (min(k, c) if allowed(i, min(k, c)) else 0)
                  for i, (f, c) in enumerate(zip(fixed, caps))]
         got = score(trial)
-        if got[0] > best_score[0] * (1 + tolerance):
+        if better(got, best_score):
             best, best_score = trial, got
     for _ in range(3):  # then each slot's own length, the others held
         changed = False
@@ -281,7 +306,7 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01) -> 
                 trial = list(best)
                 trial[i] = k
                 got = score(trial)
-                if got[0] > best_score[0] * (1 + tolerance):
+                if better(got, best_score):
                     best, best_score, changed = trial, got, True
         if not changed:
             break

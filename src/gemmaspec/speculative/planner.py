@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from .batch import Preview, draft_batch, preview
-from .chooser import (PRIOR_WEIGHT, REQUEST_DECAY, Acceptance, Choice, CostModel, SlotView, choose,
-                      explore_width)
+from .chooser import (PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS, REQUEST_DECAY, Acceptance, Choice, CostModel,
+                      SlotView, choose, explore_width)
 from .drafters import Draft, NoDrafter
 from .options import MAX_DRAFT_TOKENS
 
@@ -82,6 +82,7 @@ class RoundPlanner:
         self._t0 = self._t_drafted = 0.0
         self._step_s = 0.0  # this round's timed draft steps (seconds)
         self._model_drafted = False  # some slot of this round drafted with a model
+        self._rates: dict[int, list[float]] = {}  # slots -> decayed [tokens, seconds, rounds, last round]
 
     @property
     def cost(self) -> CostModel:
@@ -89,6 +90,24 @@ class RoundPlanner:
         if self._cost is None:
             self._cost = CostModel(self.engine.forward_costs(self.n_cap))
         return self._cost
+
+    def rate_for(self, slots: int) -> float | None:
+        """Tokens per second of the recent planned rounds of ``slots`` slots (kept tokens over their
+        seconds, drafting included; decayed by :data:`~.chooser.RATE_DECAY` per round), or None before
+        :data:`~.chooser.RATE_MIN_ROUNDS` of them or when the last was more than the cost model's
+        horizon of rounds ago (the load and the text have changed)."""
+        got = self._rates.get(slots)
+        horizon = self._cost.horizon if self._cost is not None else 200
+        if got is None or got[2] < RATE_MIN_ROUNDS or got[1] <= 0 or self.totals.rounds - got[3] > horizon:
+            return None
+        return got[0] / got[1]
+
+    def _observe_rate(self, slots: int, tokens: int, seconds: float) -> None:
+        got = self._rates.get(slots)
+        if got is None or self.totals.rounds - got[3] > (self._cost.horizon if self._cost is not None else 200):
+            got = self._rates[slots] = [0.0, 0.0, 0.0, 0]
+        d = RATE_DECAY
+        got[0], got[1], got[2], got[3] = d * got[0] + tokens, d * got[1] + seconds, d * got[2] + 1.0, self.totals.rounds
 
     def new_request(self, key: int) -> None:
         """Slot ``key`` starts a request: its own acceptance counts start from the pooled ones."""
@@ -124,7 +143,7 @@ class RoundPlanner:
             t = time.perf_counter()
             cost = self.cost  # calibrated on first use (about a second, once): not this round's planning
             self._t0 += time.perf_counter() - t
-            self._choice = choose([p.view for p in live], cost)
+            self._choice = choose([p.view for p in live], cost, rate=self.rate_for(len(live)))
             for p, n in zip(live, self._choice.ns):
                 p.n = n
         else:
@@ -233,6 +252,7 @@ class RoundPlanner:
             t.predicted_seconds += self._choice.seconds
             t.tokens += kept
             t.seconds += spent
+            self._observe_rate(len(plans), kept, spent)
             for p in ran:
                 if p.chose:
                     t.chosen[p.n] = t.chosen.get(p.n, 0) + 1
