@@ -375,12 +375,12 @@ class _LineCost(CostModel):
 
 
 VARIANT = dict(w=PRIOR_WEIGHT, d=REQUEST_DECAY, pw=2.0, pd=0.99, e=EXPLORE, ea=1, es=EXPLORE_SLOTS, tol=0.01, line=0,
-               lam=RATE_DECAY, lmin=RATE_MIN_ROUNDS)
+               lam=RATE_DECAY, lmin=RATE_MIN_ROUNDS, mono=1)
 """The shipped planner's parameters (``speculative/chooser.py``, ``planner.py``); ``before`` is
 ``w=1+ea=0+es=0+e=1+d=0.95+lam=0``, the planner before the replays; ``explore`` (``e=1+d=0.95+lam=0``) the
 one tuned on them before the layers' int8 products made verify rows cheap; ``ratio`` (``lam=0``) each
 round's own tokens per second maximised, as before the measured rate (lam: its decay per round, lmin:
-rounds before it is used)."""
+rounds before it is used); mono=0: verify costs without the cap by wider rounds measured."""
 
 
 def _variant(name: str):
@@ -402,9 +402,12 @@ def _variant(name: str):
                 raise KeyError(k)
             v[k] = float(val)
     acc_cls = Acceptance if v["ea"] else _FirstOnly
+    cost_cls = _LineCost if v["line"] else CostModel
+    if not v["mono"]:
+        cost_cls = type("UnboundedCost", (cost_cls,), {"monotone": False})
     make = lambda parent=None: (acc_cls(MAX_DRAFT_TOKENS + 1, decay=v["d"], parent=parent, weight=v["w"])  # noqa: E731
                                 if parent else Acceptance(MAX_DRAFT_TOKENS + 1, decay=v["pd"], weight=v["pw"]))
-    return make, (_LineCost if v["line"] else CostModel), v
+    return make, cost_cls, v
 
 
 def _true_rates(pos: dict, spec_type: str, n: int = 3) -> dict:

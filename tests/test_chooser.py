@@ -102,6 +102,22 @@ def test_cost_model_uses_calibration_then_measurements():
     assert m.verify_seconds(2, 2) == pytest.approx(0.7 * 0.030 + 0.3 * 0.040)
 
 
+def test_a_stall_kept_in_one_entry_does_not_price_wider_drafts_out():
+    """8 slots: 13 and 14 rows were last seen during a stall (42-43 ms) while 15 and 16 rows cost 34-37
+    ms: a round is priced at most as the cheapest wider one of the same slots, so the path from 8 to
+    16 rows does not run through the stall; narrower rounds and other slot counts are not capped."""
+    m = CostModel([0.010] * 16)
+    for rows, ms in ((8, 23.2), (9, 25.0), (12, 28.5), (13, 42.5), (14, 43.3), (15, 34.4), (16, 36.9)):
+        m.observe_verify(8, rows, ms / 1e3)
+    m.observe_verify(4, 6, 0.050)
+    assert m.verify_seconds(8, 13) == pytest.approx(0.0344) and m.verify_seconds(8, 14) == pytest.approx(0.0344)
+    assert m.verify_seconds(8, 16) == pytest.approx(0.0369) and m.verify_seconds(8, 12) == pytest.approx(0.0285)
+    assert m.verify_seconds(8, 9) == pytest.approx(0.0250) and m.verify_seconds(4, 6) == pytest.approx(0.050)
+    assert m.verify_seconds(8, 10) == pytest.approx(0.0250)  # nearest (9) + calibrated delta (0), capped by 12
+    m.monotone = False
+    assert m.verify_seconds(8, 13) == pytest.approx(0.0425)
+
+
 def test_cost_model_forgets_measurements_past_the_horizon():
     m = CostModel([0.010, 0.020], horizon=3)
     m.observe_verify(1, 2, 0.100)

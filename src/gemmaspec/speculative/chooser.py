@@ -322,7 +322,9 @@ class CostModel:
     ``verify_seconds(S, R)``: the measured mean (decayed) of rounds of S slots and R rows when one was
     seen in the last ``horizon`` rounds; else the nearest such measurement (same S first, then the
     nearest S; nearest R) corrected by the calibrated difference between R and its R (what an extra
-    row costs in the products); else the calibration alone. ``draft_seconds(source, B)``: the measured
+    row costs in the products); else the calibration alone; in each case at most the cheapest wider
+    round of the same S measured (a stall caught in a rarely seen (S, R) would otherwise price every
+    draft through it out: seen at 8 slots, 13 and 14 rows at 42-43 ms beside 15 and 16 at 34-37). ``draft_seconds(source, B)``: the measured
     mean of one draft step of B rows, else the nearest B's scaled by B / B' for a B above it (a safe
     over-estimate), else ``draft_prior`` × the calibrated 1-row forward. ``overhead_seconds(S,
     drafting)``: the measured mean of a round's planning and drafting time outside the timed draft
@@ -358,14 +360,24 @@ class CostModel:
     def _fresh(self, table: dict) -> dict:
         return {k: v[0] for k, v in table.items() if self.round - v[1] <= self.horizon}
 
+    monotone = True
+    """Whether a round of S slots and R rows is priced at most as a round of the same S and more rows
+    measured (see :meth:`verify_seconds`)."""
+
     def verify_seconds(self, seqs: int, rows: int) -> float:
         seen = self._fresh(self.verify)
         if (seqs, rows) in seen:
-            return seen[(seqs, rows)]
-        if seen:
+            got = seen[(seqs, rows)]
+        elif seen:
             s, r = min(seen, key=lambda k: (abs(k[0] - seqs), abs(k[1] - rows), k[1]))
-            return max(1e-6, seen[(s, r)] + self.calibrated(rows) - self.calibrated(r))
-        return self.calibrated(rows)
+            got = max(1e-6, seen[(s, r)] + self.calibrated(rows) - self.calibrated(r))
+        else:
+            return self.calibrated(rows)
+        if self.monotone:  # no dearer than a wider round measured: a stall kept in a rarely seen entry
+            wider = [v for (s, r), v in seen.items() if s == seqs and r > rows]  # must not wall off longer drafts
+            if wider:
+                got = min(got, min(wider))
+        return got
 
     def draft_seconds(self, source: str, batch: int) -> float:
         seen = {b: v for (src, b), v in self._fresh(self.draft).items() if src == source}
