@@ -14,9 +14,9 @@ rate the server makes of a second (``rate``: measured over the recent rounds of 
 this round's own average. The planner passes that rate once it has one and :func:`choose` then
 maximises ``tokens(n) - rate * seconds(n)`` (the renewal-reward criterion; Dinkelbach's method for a
 ratio of sums): a round whose slots draft well drafts longer, a poor one less, than each round's own
-ratio would have them. Replayed on the bench's traces (``benchmarks/chooser_sim.py``, variant ``lam``)
-this lifted the default list drafter from 0.976 / 0.982 / 0.980 of the best fixed length at 2 / 4 / 8
-users to 0.983 / 0.989 / 0.982 (docs/server.md).
+ratio would have them. Replayed on held-out prompts (``benchmarks/chooser_sim.py``; variant ``ratio`` is
+the old criterion) this lifted the default list drafter from 0.976 / 0.980 / 0.976 of the best fixed
+length at 2 / 4 / 8 users to 0.978 / 0.988 / 0.987 (docs/server.md, "Weighing a round's seconds").
 
 where ``a_{i,k}`` is slot i's chance of gaining draft position k given it gained k-1
 (:class:`Acceptance`: a position its drafter was asked for but did not draft, stopped by its p-min,
