@@ -319,3 +319,25 @@ def test_at_the_rounds_own_best_rate_both_criteria_agree(rates, base, per_row, s
     best = choose(view, costs, tolerance=0.0)
     got = choose(view, costs, tolerance=0.0, rate=best.rate)
     assert got.rate == pytest.approx(best.rate, rel=1e-9)
+
+
+def test_the_planner_rate_per_slot_count_waits_decays_and_forgets():
+    """The planner's measured rate (speculative/planner.py): none before RATE_MIN_ROUNDS decayed rounds
+    of that many slots, then decayed tokens over decayed seconds, kept per slot count, and started again once
+    its last round is past the horizon (200 rounds without a cost model)."""
+    from gemmaspec.speculative.chooser import RATE_DECAY, RATE_MIN_ROUNDS
+    from gemmaspec.speculative.planner import RoundPlanner
+
+    p = RoundPlanner(engine=None)
+    n = next(k for k in range(1, 100) if sum(RATE_DECAY ** j for j in range(k)) >= RATE_MIN_ROUNDS)  # decayed
+    for i in range(n):
+        assert p.rate_for(4) is None
+        p.totals.rounds += 1
+        p._observe_rate(4, 8 if i % 2 else 4, 0.020)
+    t = sum(RATE_DECAY ** (n - 1 - i) * (8 if i % 2 else 4) for i in range(n))
+    s = sum(RATE_DECAY ** (n - 1 - i) * 0.020 for i in range(n))
+    assert p.rate_for(4) == pytest.approx(t / s) and p.rate_for(2) is None
+    p.totals.rounds += 201
+    assert p.rate_for(4) is None
+    p._observe_rate(4, 10, 0.010)
+    assert p._rates[4][:3] == pytest.approx([10, 0.010, 1.0])

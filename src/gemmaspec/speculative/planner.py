@@ -96,18 +96,21 @@ class RoundPlanner:
         seconds, drafting included; decayed by :data:`~.chooser.RATE_DECAY` per round), or None before
         :data:`~.chooser.RATE_MIN_ROUNDS` of them or when the last was more than the cost model's
         horizon of rounds ago (the load and the text have changed)."""
-        got = self._rates.get(slots)
-        horizon = self._cost.horizon if self._cost is not None else 200
-        if got is None or got[2] < RATE_MIN_ROUNDS or got[1] <= 0 or self.totals.rounds - got[3] > horizon:
+        got = self._fresh_rate(slots)
+        if got is None or got[2] < RATE_MIN_ROUNDS or got[1] <= 0:
             return None
         return got[0] / got[1]
 
-    def _observe_rate(self, slots: int, tokens: int, seconds: float) -> None:
+    def _fresh_rate(self, slots: int) -> list | None:
+        """The decayed sums behind :meth:`rate_for`, or None when none or stale (past the horizon)."""
         got = self._rates.get(slots)
-        if got is None or self.totals.rounds - got[3] > (self._cost.horizon if self._cost is not None else 200):
-            got = self._rates[slots] = [0.0, 0.0, 0.0, 0]
+        horizon = self._cost.horizon if self._cost is not None else 200
+        return None if got is None or self.totals.rounds - got[3] > horizon else got
+
+    def _observe_rate(self, slots: int, tokens: int, seconds: float) -> None:
+        got = self._fresh_rate(slots) or [0.0, 0.0, 0.0, 0]  # a stale record starts again
         d = RATE_DECAY
-        got[0], got[1], got[2], got[3] = d * got[0] + tokens, d * got[1] + seconds, d * got[2] + 1.0, self.totals.rounds
+        self._rates[slots] = [d * got[0] + tokens, d * got[1] + seconds, d * got[2] + 1.0, self.totals.rounds]
 
     def new_request(self, key: int) -> None:
         """Slot ``key`` starts a request: its own acceptance counts start from the pooled ones."""
