@@ -213,7 +213,8 @@ class Costs(Protocol):
 
 def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01, rate: float | None = None) -> Choice:
     """Each slot's draft length for this round: the ``n`` that maximises expected tokens per second
-    of the whole batch (see the module docstring), searched from the best uniform length by
+    of the whole batch (with ``rate``: ``tokens - rate * seconds``; see the module docstring),
+    searched from the best uniform length by
     per-slot improvement; a change must promise more than ``tolerance`` (relative) more tokens per
     second, so near-ties go to drafting less (estimates are noisy, and a draft that barely pays on
     paper is not worth its variance). A pure function of its inputs.
