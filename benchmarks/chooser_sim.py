@@ -44,8 +44,11 @@ from pathlib import Path
 
 from common import ROOT, machine, write_results
 
-from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS,
-                                           REQUEST_DECAY, Acceptance, CostModel, SlotView, choose)
+import gemmaspec.speculative.chooser as chooser_mod
+from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, LINE_CELL_PRIOR, LINE_CLIP, LINE_DECAY,
+                                           LINE_PRIOR, PRIOR_WEIGHT,
+                                           RATE_DECAY, RATE_MIN_ROUNDS, REQUEST_DECAY, Acceptance, CostModel,
+                                           SlotView, choose)
 from gemmaspec.speculative.options import MAX_DRAFT_TOKENS
 
 SPEC_TYPES = ("ngram-simple,draft-mtp", "draft-mtp")
@@ -168,8 +171,12 @@ class Truth:
     through the measured verify medians (rows never measured lie on it), draft steps per batch size
     (linear beyond the measured), planning per slot count."""
 
-    def __init__(self, c: dict):
+    def __init__(self, c: dict, cells: int = 0):
         self.cal = c["calibration_s"]
+        # cells > 0: a (slots, rows) measured that many times or more costs its own median, off the line
+        # (the machine's real unevenness: a cost model that assumes a line is then judged fairly)
+        self.cells = {tuple(map(int, k.split(","))): v for k, v in c["verify_s"].items()
+                      if cells and c.get("samples", {}).get("verify", {}).get(k, 0) >= cells}
         by_s = collections.defaultdict(list)
         for key, v in c["verify_s"].items():
             s, r = map(int, key.split(","))
@@ -195,6 +202,8 @@ class Truth:
             self.over[(s, bool(d))] = v
 
     def verify(self, s: int, rows: int) -> float:
+        if (s, rows) in self.cells:
+            return self.cells[(s, rows)]
         if s not in self.line:  # the nearest slot count measured, scaled
             near = min(self.line, key=lambda x: abs(x - s))
             a, b = self.line[near]
@@ -375,7 +384,8 @@ class _LineCost(CostModel):
 
 
 VARIANT = dict(w=PRIOR_WEIGHT, d=REQUEST_DECAY, pw=2.0, pd=0.99, e=EXPLORE, ea=1, es=EXPLORE_SLOTS, tol=0.01, line=0,
-               lam=RATE_DECAY, lmin=RATE_MIN_ROUNDS, mono=1)
+               lam=RATE_DECAY, lmin=RATE_MIN_ROUNDS, mono=1, fit=1, ld=LINE_DECAY, lc=LINE_CLIP, lp=LINE_PRIOR,
+               lk=LINE_CELL_PRIOR)
 """The shipped planner's parameters (``speculative/chooser.py``, ``planner.py``); ``before`` is
 ``w=1+ea=0+es=0+e=1+d=0.95+lam=0``, the planner before the replays; ``explore`` (``e=1+d=0.95+lam=0``) the
 one tuned on them before the layers' int8 products made verify rows cheap; ``ratio`` (``lam=0``) each
@@ -405,6 +415,8 @@ def _variant(name: str):
     cost_cls = _LineCost if v["line"] else CostModel
     if not v["mono"]:
         cost_cls = type("UnboundedCost", (cost_cls,), {"monotone": False})
+    if not v["fit"]:
+        cost_cls = type("CellCost", (cost_cls,), {"fit": False})
     make = lambda parent=None: (acc_cls(MAX_DRAFT_TOKENS + 1, decay=v["d"], parent=parent, weight=v["w"])  # noqa: E731
                                 if parent else Acceptance(MAX_DRAFT_TOKENS + 1, decay=v["pd"], weight=v["pw"]))
     return make, cost_cls, v
@@ -452,7 +464,7 @@ def sim(args) -> None:
         tr["max_tokens"] = one["max_tokens"]
         for kind, v in one["kinds"].items():
             tr["kinds"][f"{kind}/{name}" if "," in args.trace else kind] = v
-    truth = Truth(_load(args.costs, "costs file"))
+    truth = Truth(_load(args.costs, "costs file"), args.truth_cells)
     kinds = list(tr["kinds"])
     users = [int(u) for u in args.users.split(",")]
     configs = [(0, False), (1, False), (2, False), (3, False), (3, True)]
@@ -461,6 +473,8 @@ def sim(args) -> None:
         rng = random.Random(run)
         for st in SPEC_TYPES:
             make, cost, v = _variant(args.variant)
+            chooser_mod.LINE_DECAY, chooser_mod.LINE_CLIP, chooser_mod.LINE_PRIOR = v["ld"], v["lc"], v["lp"]
+            chooser_mod.LINE_CELL_PRIOR = v["lk"]
             pl = SimPlanner(truth, make, cost)
             pl.lam_decay, pl.lam_min = v["lam"], v["lmin"]
             chooser = lambda views, c, r=None: choose(views, c, tolerance=v["tol"], rate=r)  # noqa: E731
@@ -473,7 +487,8 @@ def sim(args) -> None:
                                                          chooser, oracle, v["e"], v["es"])
                         res[(st, u, kind, f"choose{n}" if ch else str(n))].append(tok / sec)
     command = (f"python benchmarks/chooser_sim.py sim --trace {args.trace} --costs {args.costs} --runs {args.runs} "
-               f"--noise {args.noise} --users {args.users} --variant {args.variant}")
+               f"--noise {args.noise} --users {args.users} --variant {args.variant}"
+               + (f" --truth-cells {args.truth_cells}" if args.truth_cells else ""))
     lines = [f"# Simulated bench rounds: variant {args.variant} ({args.runs} runs, timing noise {args.noise})", "",
              f"`{command}`", "",
              "| drafter | users | chosen / best fixed (mean over kinds) | min | kinds < 0.97 | chosen vs none |",
@@ -518,6 +533,9 @@ def main() -> None:
     m.add_argument("--users", default="1,2,4,8")
     m.add_argument("--out")
     m.add_argument("--variant", default="base")
+    m.add_argument("--truth-cells", type=int, default=0,
+                   help="a (slots, rows) measured at least this many times costs its own median (0: every round on "
+                        "its slot count's fitted line)")
     m.add_argument("--per-kind", action="store_true")
     a = ap.parse_args()
     {"trace": trace, "costs": costs, "sim": sim}[a.cmd](a)

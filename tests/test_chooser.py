@@ -91,8 +91,10 @@ def test_nothing_to_choose():
     assert choose([SlotView(0), SlotView(0)], FakeCosts()).ns == [0, 0]
 
 
-def test_cost_model_uses_calibration_then_measurements():
+def test_cost_model_per_cell_means_uses_calibration_then_measurements():
+    """The per-(S, R) means the replays compare the fitted lines with (``fit = False``)."""
     m = CostModel([0.010, 0.011, 0.012, 0.013])
+    m.fit = False
     assert m.verify_seconds(1, 3) == pytest.approx(0.012)
     assert m.verify_seconds(1, 6) == pytest.approx(0.015)  # linear beyond the calibration
     m.observe_verify(2, 2, 0.030)  # two slots, one row each: slower than one sequence's forward
@@ -107,6 +109,7 @@ def test_a_stall_kept_in_one_entry_does_not_price_wider_drafts_out():
     ms: a round is priced at most as the cheapest wider one of the same slots, so the path from 8 to
     16 rows does not run through the stall; narrower rounds and other slot counts are not capped."""
     m = CostModel([0.010] * 16)
+    m.fit = False  # the per-(S, R) means (the lines: below)
     for rows, ms in ((8, 23.2), (9, 25.0), (12, 28.5), (13, 42.5), (14, 43.3), (15, 34.4), (16, 36.9)):
         m.observe_verify(8, rows, ms / 1e3)
     m.observe_verify(4, 6, 0.050)
@@ -120,10 +123,82 @@ def test_a_stall_kept_in_one_entry_does_not_price_wider_drafts_out():
 
 def test_cost_model_forgets_measurements_past_the_horizon():
     m = CostModel([0.010, 0.020], horizon=3)
+    m.fit = False
     m.observe_verify(1, 2, 0.100)
     for _ in range(5):
         m.observe_verify(1, 1, 0.010)
     assert m.verify_seconds(1, 2) == pytest.approx(0.010 + 0.020 - 0.010)  # the old 0.100 is stale
+
+
+def test_verify_line_is_fitted_over_every_width_seen():
+    """8 slots at 27 ms plus 1.8 ms per draft row, seen at 8, 16 and 24 rows only: every width between
+    and beyond is priced on the line (the rows nobody drafted lately included), and the calibration's
+    own slope (0 here) gives way to the measured one."""
+    m = CostModel([0.010] * 16)
+    for _ in range(10):
+        for rows in (8, 16, 24):
+            m.observe_verify(8, rows, 0.027 + 0.0018 * (rows - 8))
+    a, b = m.line(8)
+    assert a == pytest.approx(0.027, rel=0.01) and b == pytest.approx(0.0018, rel=0.01)
+    for rows in (8, 13, 20, 32):
+        assert m.verify_seconds(8, rows) == pytest.approx(0.027 + 0.0018 * (rows - 8), rel=0.01)
+    # a slot count never seen: the nearest one's line at the same draft rows, plus the calibrated delta (0)
+    assert m.verify_seconds(6, 10) == pytest.approx(m.verify_seconds(8, 12))
+
+
+def test_verify_line_takes_the_calibrated_slope_until_widths_differ():
+    m = CostModel([0.010, 0.011, 0.012, 0.013])  # 1 ms per row
+    assert m.line(2) is None and m.verify_seconds(2, 4) == pytest.approx(0.013)  # the calibration alone
+    m.observe_verify(2, 2, 0.030)  # two slots, one row each: slower than one sequence's forward
+    assert m.verify_seconds(2, 2) == pytest.approx(0.030)
+    assert m.verify_seconds(2, 4) == pytest.approx(0.032)  # the calibrated slope from the one width seen
+    m.observe_verify(2, 2, 0.040)
+    assert m.verify_seconds(2, 2) == pytest.approx((0.97 * 0.030 + 0.040) / 1.97)  # a decayed mean
+
+
+def test_a_stall_moves_the_verify_line_by_a_bounded_step():
+    """Once a line has LINE_CLIP_AFTER rounds, one round 5x slower enters it as LINE_CLIP x the
+    prediction: the price of every width rises by a bounded step, not fivefold for a rarely seen one."""
+    from gemmaspec.speculative.chooser import LINE_CELL_PRIOR, LINE_CLIP, LINE_DECAY
+
+    m = CostModel([0.010] * 4)
+    for _ in range(4):
+        m.observe_verify(1, 1, 0.010)
+    w = sum(LINE_DECAY ** k for k in range(4))
+    m.observe_verify(1, 1, 0.050)
+    line = (LINE_DECAY * w * 0.010 + LINE_CLIP * 0.010) / (LINE_DECAY * w + 1)
+    assert m.line(1)[0] == pytest.approx(line)
+    # the cell (1, 1) also keeps the clipped round's offset from the line before it, shrunk
+    assert m.verify_seconds(1, 1) == pytest.approx(line + (LINE_CLIP - 1) * 0.010 / (1 + LINE_CELL_PRIOR))
+    assert m.verify_seconds(1, 1) < 0.014
+
+
+def test_a_width_seen_often_keeps_its_own_offset_from_the_line():
+    """The kernels' row counts are uneven: 16 rows of 8 slots runs 4 ms above the line through the
+    others; seen often, it keeps most of that offset (shrunk by LINE_CELL_PRIOR rounds), while a width
+    seen once keeps little, and no width is priced above a wider one seen."""
+    m = CostModel([0.010] * 16)
+    line = lambda r: 0.027 + 0.0018 * (r - 8)  # noqa: E731
+    for _ in range(30):
+        for rows in (8, 12, 20, 24, 32):
+            m.observe_verify(8, rows, line(rows))
+        m.observe_verify(8, 16, line(16) + 0.004)
+    a, b = m.line(8)
+    assert m.verify_seconds(8, 16) - (a + b * 8) > 0.5 * 0.004  # the line took a share of it
+    assert abs(m.verify_seconds(8, 12) - (a + b * 4)) < 0.001
+    assert m.verify_seconds(8, 16) <= m.verify_seconds(8, 20)
+    assert m.verify_seconds(8, 28) == pytest.approx(m.line(8)[0] + m.line(8)[1] * 20)  # never seen: on the line
+
+
+def test_verify_lines_are_forgotten_past_the_horizon():
+    m = CostModel([0.010, 0.020], horizon=3)
+    m.observe_verify(2, 2, 0.100)
+    for _ in range(5):
+        m.observe_verify(1, 1, 0.010)
+    assert m.line(2) is None
+    # slot count 1's line at the same draft rows (1: 0.010 + the calibrated 0.010 per row), plus the
+    # calibrated delta between its 2 rows and these 3 (0.030 - 0.020)
+    assert m.verify_seconds(2, 3) == pytest.approx(0.020 + 0.010)
 
 
 def test_cost_model_draft_steps():

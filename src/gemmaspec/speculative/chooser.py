@@ -70,6 +70,25 @@ held-out cells below 0.97 (38 of 320; 41 at 0.98, 45 without)."""
 RATE_MIN_ROUNDS = 5.0
 """Decayed rounds of a slot count before its measured rate is used (before: each round's own ratio)."""
 
+LINE_DECAY = 0.97
+"""Decay per round of a slot count's verify line (:meth:`CostModel.line`): about its last 30 rounds."""
+
+LINE_PRIOR = 4.0
+"""Weight of the calibrated slope in a verify line, in rounds times rows squared (a round one row off
+the others' mean weighs 1): it decides until rounds of different widths are seen."""
+
+LINE_CLIP = 1.3
+"""A round's verify time enters its line at most this factor from the line's prediction (after
+:data:`LINE_CLIP_AFTER` decayed rounds): a stall, 1.5x and more, moves it by a bounded step."""
+
+LINE_CLIP_AFTER = 3.0
+
+LINE_CELL_PRIOR = 2.0
+"""A (slots, rows) seen often keeps its own offset from its line (the kernels' uneven row counts), shrunk
+towards the line by this many rounds; 0: the line alone."""
+
+LINE_CELL_DECAY = 0.8
+
 REQUEST_DECAY = 0.9
 """Decay per round of a request's own counts (:class:`Acceptance`'s ``decay``): its estimates follow
 the text's current stretch (a list, then prose) within ~10 rounds."""
@@ -324,12 +343,20 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01, rat
 class CostModel:
     """Seconds of a round's parts on this machine: calibrated at start, then learned online.
 
-    ``verify_seconds(S, R)``: the measured mean (decayed) of rounds of S slots and R rows when one was
-    seen in the last ``horizon`` rounds; else the nearest such measurement (same S first, then the
-    nearest S; nearest R) corrected by the calibrated difference between R and its R (what an extra
-    row costs in the products); else the calibration alone; in each case at most the cheapest wider
-    round of the same S measured (a stall caught in a rarely seen (S, R) would otherwise price every
-    draft through it out: seen at 8 slots, 13 and 14 rows at 42-43 ms beside 15 and 16 at 34-37). ``draft_seconds(source, B)``: the measured
+    ``verify_seconds(S, R)``: a line in the draft rows R - S fitted to the recent rounds of S slots
+    (:meth:`line`: decayed least squares, each round clipped to :data:`LINE_CLIP` x the line's
+    prediction, the slope shrunk towards the calibration's), plus the (S, R)'s own offset from it where
+    that width was seen (shrunk by :data:`LINE_CELL_PRIOR` rounds) and at most a wider width seen; for
+    an S never seen (or not within the ``horizon``), the nearest S's line at the same draft rows plus
+    the calibrated difference; before any round, the calibration alone. Every round of S slots informs
+    every width, so a width nobody drafted lately is priced from the others instead of from its last
+    visit: before (``fit = False``, per-(S, R) decayed means, each capped by the cheapest wider one;
+    kept for ``benchmarks/chooser_sim.py``'s comparison) one stall caught in a rarely seen (S, R) priced
+    every draft through it out for as long as nobody drafted that long again (seen at 8 slots: 13 and
+    14 rows at 42-43 ms beside 15 and 16 at 34-37). Replayed over 16 seeds on the bench's and held-out
+    prompts, with the measured costs on their lines or at their own medians, the lines lifted the
+    choice from 0.983 / 0.983 / 0.981 / 0.977 of the best fixed length (mean over drafters and user
+    counts) to 0.985 / 0.986 / 0.984 / 0.979, with fewer kinds below 0.97 in all four (docs/server.md). ``draft_seconds(source, B)``: the measured
     mean of one draft step of B rows, else the nearest B's scaled by B / B' for a B above it (a safe
     over-estimate), else ``draft_prior`` × the calibrated 1-row forward. ``overhead_seconds(S,
     drafting)``: the measured mean of a round's planning and drafting time outside the timed draft
@@ -351,6 +378,8 @@ class CostModel:
         self.verify: dict[tuple[int, int], list[float]] = {}  # (S, R) -> [mean s, round seen]
         self.draft: dict[tuple[str, int], list[float]] = {}  # (source, B) -> [mean s, round seen]
         self.overhead: dict[tuple[int, bool], list[float]] = {}  # (S, drafting) -> [mean s, round seen]
+        self.lines: dict[int, list[float]] = {}  # S -> decayed [W, Wx, Wxx, Wy, Wxy, round seen], x = R - S
+        self.cells: dict[tuple[int, int], list[float]] = {}  # (S, R) -> decayed [residual sum, weight, round]
         self.round = 0
 
     def calibrated(self, rows: int) -> float:
@@ -369,7 +398,58 @@ class CostModel:
     """Whether a round of S slots and R rows is priced at most as a round of the same S and more rows
     measured (see :meth:`verify_seconds`)."""
 
+    fit = True
+    """Whether ``verify_seconds`` comes from each slot count's fitted line in rows (:meth:`line`) rather
+    than per-(S, R) means (see the class docstring)."""
+
+    def prior_slope(self) -> float:
+        """Seconds per extra row of one forward from the calibration (its mean slope; >= 0)."""
+        c = self.cal
+        return max(0.0, (c[-1] - c[0]) / (len(c) - 1)) if len(c) > 1 else 0.0
+
+    def line(self, seqs: int) -> tuple[float, float] | None:
+        """``(a, b)``: a round of ``seqs`` slots and R rows costs ``a + b (R - seqs)`` seconds, fitted
+        by decayed least squares over that slot count's recent rounds with the slope shrunk towards
+        :meth:`prior_slope` (weight :data:`LINE_PRIOR`; it decides while the rounds seen span few row
+        counts) and kept >= 0; None when no fresh round of ``seqs`` slots was seen."""
+        st = self.lines.get(seqs)
+        if st is None or self.round - st[5] > self.horizon or st[0] <= 0:
+            return None
+        w, wx, wxx, wy, wxy = st[:5]
+        sxx, sxy = wxx - wx * wx / w, wxy - wx * wy / w
+        b = max(0.0, (sxy + LINE_PRIOR * self.prior_slope()) / (max(sxx, 0.0) + LINE_PRIOR))
+        return (wy - b * wx) / w, b
+
+    def _line_seconds(self, seqs: int, rows: int) -> float | None:
+        got = self.line(seqs)
+        if got is not None:
+            return max(1e-6, got[0] + got[1] * (rows - seqs) + self._cell(seqs, rows))
+        near = [s for s in self.lines if self.line(s) is not None]
+        if not near:
+            return None
+        s = min(near, key=lambda x: (abs(x - seqs), x))  # the nearest slot count, the same draft rows
+        a, b = self.line(s)
+        r = rows - seqs + s
+        return max(1e-6, a + b * (r - s) + self.calibrated(rows) - self.calibrated(r))
+
+    def _cell(self, seqs: int, rows: int) -> float:
+        """This (S, R)'s own offset from its line: its decayed mean residual, shrunk towards 0 by
+        :data:`LINE_CELL_PRIOR` rounds (0 when not seen within the horizon)."""
+        c = self.cells.get((seqs, rows))
+        if c is None or not LINE_CELL_PRIOR or self.round - c[2] > self.horizon:
+            return 0.0
+        return c[0] / (c[1] + LINE_CELL_PRIOR)
+
     def verify_seconds(self, seqs: int, rows: int) -> float:
+        if self.fit:
+            got = self._line_seconds(seqs, rows)
+            if got is None:
+                return self.calibrated(rows)
+            if self.monotone and LINE_CELL_PRIOR:  # a cell's offset must not make it dearer than a wider one
+                wider = [self._line_seconds(s, r) for (s, r) in self.cells if s == seqs and r > rows]
+                if wider:
+                    got = min(got, min(wider))
+            return got
         seen = self._fresh(self.verify)
         if (seqs, rows) in seen:
             got = seen[(seqs, rows)]
@@ -411,6 +491,21 @@ class CostModel:
         """A round of ``seqs`` slots and ``rows`` rows took ``seconds`` (drafting excluded)."""
         self.round += 1
         self._observe(self.verify, (seqs, rows), seconds)
+        pred = self.line(seqs)
+        st = self.lines.get(seqs) if pred is not None else None
+        if st is None:
+            st = self.lines[seqs] = [0.0] * 6
+        elif st[0] >= LINE_CLIP_AFTER:  # one stall (or one lucky round) moves the line by a bounded step
+            p = max(1e-6, pred[0] + pred[1] * (rows - seqs))
+            seconds = min(max(seconds, p / LINE_CLIP), p * LINE_CLIP)
+            c = self.cells.get((seqs, rows))
+            if c is None or self.round - c[2] > self.horizon:
+                c = self.cells[(seqs, rows)] = [0.0, 0.0, 0]
+            c[0], c[1], c[2] = LINE_CELL_DECAY * c[0] + (seconds - p), LINE_CELL_DECAY * c[1] + 1.0, self.round
+        x, d = float(rows - seqs), LINE_DECAY
+        for i, v in enumerate((1.0, x, x * x, seconds, x * seconds)):
+            st[i] = d * st[i] + v
+        st[5] = self.round
 
     def observe_draft(self, source: str, batch: int, seconds: float) -> None:
         """One draft step of ``source`` over ``batch`` rows took ``seconds``."""
