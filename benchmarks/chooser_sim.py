@@ -24,6 +24,8 @@ tuned on them before verify rows got cheap), ``ratio`` (the shipped one maximisi
 tokens per second instead of weighing seconds at the measured rate), ``oracle`` (each kind's
 true acceptance by position, known in advance: the ceiling of a choice from per-position rates), or
 ``key=value+...`` overriding :data:`VARIANT`. ``--trace a,b`` replays several traces' kinds together.
+``--truth-cells N``: a (slots, rows) the costs file measured N times or more costs its own median
+instead of lying on its slot count's line (the machine's unevenness kept).
 Writes benchmarks/results/<out>.json and .md, the machine named.
 
 Not simulated: Python's time outside the measured parts of a round, prefill, and any dependence of a
@@ -241,6 +243,7 @@ class SimPlanner:
         self.per_slot: dict = {}
         self.lam_decay, self.lam_min = 0.0, 5.0  # the rate the choice weighs seconds at (variant lam, lmin)
         self.rates: dict = {}  # slots -> [decayed tokens, decayed seconds, decayed rounds]
+        self.rate_all = False  # the rate measured over every round (variant lall=1), not the planned ones only
 
     def rate_for(self, slots: int):
         got = self.rates.get(slots)
@@ -347,7 +350,7 @@ def simulate_phase(pl: SimPlanner, positions: dict, users: int, spec_type: str, 
         pl.cost.observe_verify(S, rows, t_verify)
         pl.cost.observe_overhead(S, model_drafted, min(t_over, 0.25 * t_verify))
         seconds += t_verify + t_steps + t_over
-        if planned:
+        if planned or pl.rate_all:
             pl.observe_rate(S, tokens - tokens0, t_verify + t_steps + t_over)
     return seconds, tokens, chosen
 
@@ -385,12 +388,15 @@ class _LineCost(CostModel):
 
 VARIANT = dict(w=PRIOR_WEIGHT, d=REQUEST_DECAY, pw=2.0, pd=0.99, e=EXPLORE, ea=1, es=EXPLORE_SLOTS, tol=0.01, line=0,
                lam=RATE_DECAY, lmin=RATE_MIN_ROUNDS, mono=1, fit=1, ld=LINE_DECAY, lc=LINE_CLIP, lp=LINE_PRIOR,
-               lk=LINE_CELL_PRIOR)
+               lk=LINE_CELL_PRIOR, lall=0)
 """The shipped planner's parameters (``speculative/chooser.py``, ``planner.py``); ``before`` is
 ``w=1+ea=0+es=0+e=1+d=0.95+lam=0``, the planner before the replays; ``explore`` (``e=1+d=0.95+lam=0``) the
 one tuned on them before the layers' int8 products made verify rows cheap; ``ratio`` (``lam=0``) each
 round's own tokens per second maximised, as before the measured rate (lam: its decay per round, lmin:
-rounds before it is used); mono=0: verify costs without the cap by wider rounds measured."""
+rounds before it is used); mono=0: verify costs without the cap by wider rounds measured; fit=0: verify
+costs from per-(slots, rows) means instead of each slot count's fitted line (ld, lc, lp, lk: the line's
+decay, clip, slope prior and per-width offset prior, ``LINE_*`` in speculative/chooser.py); lall=1: the rate
+measured over every round, not only the planned ones."""
 
 
 def _variant(name: str):
@@ -476,7 +482,7 @@ def sim(args) -> None:
             chooser_mod.LINE_DECAY, chooser_mod.LINE_CLIP, chooser_mod.LINE_PRIOR = v["ld"], v["lc"], v["lp"]
             chooser_mod.LINE_CELL_PRIOR = v["lk"]
             pl = SimPlanner(truth, make, cost)
-            pl.lam_decay, pl.lam_min = v["lam"], v["lmin"]
+            pl.lam_decay, pl.lam_min, pl.rate_all = v["lam"], v["lmin"], bool(v["lall"])
             chooser = lambda views, c, r=None: choose(views, c, tolerance=v["tol"], rate=r)  # noqa: E731
             for kind in kinds:
                 pos = tr["kinds"][kind][st]["positions"]

@@ -45,3 +45,17 @@ def test_known_acceptance_is_the_traces_conditional_rate():
     rates = sim._true_rates(positions, "draft-mtp")
     assert rates[("draft-mtp", "gain")] == pytest.approx([3 / 4, 3 / 3, 1 / 3])
     assert rates[("draft-mtp", "cont")] == pytest.approx([1.0, 1.0, 3 / 4])
+
+
+def test_truth_cells_keep_a_well_measured_width_off_the_line():
+    """--truth-cells N: a (slots, rows) measured N times or more costs its own median; the others stay
+    on the slot count's line, so a cost model that assumes a line is judged against the machine's
+    unevenness too."""
+    costs = {**COSTS, "verify_s": {"1,1": 0.010, "1,2": 0.020, "1,4": 0.016},
+             "samples": {"verify": {"1,1": 50, "1,2": 12, "1,4": 3}}}
+    line = sim.Truth(costs)
+    cells = sim.Truth(costs, cells=10)
+    assert cells.verify(1, 2) == pytest.approx(0.020) and line.verify(1, 2) != pytest.approx(0.020)
+    assert cells.verify(1, 1) == pytest.approx(0.010)
+    assert cells.verify(1, 4) == pytest.approx(line.verify(1, 4))  # 3 samples: on the line
+    assert cells.verify(1, 3) == pytest.approx(line.verify(1, 3))
