@@ -175,8 +175,9 @@ def test_a_stall_moves_the_verify_line_by_a_bounded_step():
 
 def test_a_width_seen_often_keeps_its_own_offset_from_the_line():
     """The kernels' row counts are uneven: 16 rows of 8 slots runs 4 ms above the line through the
-    others; seen often, it keeps most of that offset (shrunk by LINE_CELL_PRIOR rounds), while a width
-    seen once keeps little, and no width is priced above a wider one seen."""
+    others; seen often, it keeps most of that offset (shrunk by LINE_CELL_PRIOR rounds; the line takes
+    a share), the widths on the line keep next to none, a width never seen lies on the line, and no
+    width is priced above a wider one seen."""
     m = CostModel([0.010] * 16)
     line = lambda r: 0.027 + 0.0018 * (r - 8)  # noqa: E731
     for _ in range(30):

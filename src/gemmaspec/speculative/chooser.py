@@ -82,12 +82,14 @@ LINE_CLIP = 1.3
 :data:`LINE_CLIP_AFTER` decayed rounds): a stall, 1.5x and more, moves it by a bounded step."""
 
 LINE_CLIP_AFTER = 3.0
+"""Decayed rounds a verify line needs before rounds are clipped to it (and their offsets kept per width)."""
 
 LINE_CELL_PRIOR = 2.0
 """A (slots, rows) seen often keeps its own offset from its line (the kernels' uneven row counts), shrunk
 towards the line by this many rounds; 0: the line alone."""
 
 LINE_CELL_DECAY = 0.8
+"""Decay per visit of a width's offset from its line: about its last 5 visits."""
 
 REQUEST_DECAY = 0.9
 """Decay per round of a request's own counts (:class:`Acceptance`'s ``decay``): its estimates follow
@@ -379,7 +381,7 @@ class CostModel:
         self.draft: dict[tuple[str, int], list[float]] = {}  # (source, B) -> [mean s, round seen]
         self.overhead: dict[tuple[int, bool], list[float]] = {}  # (S, drafting) -> [mean s, round seen]
         self.lines: dict[int, list[float]] = {}  # S -> decayed [W, Wx, Wxx, Wy, Wxy, round seen], x = R - S
-        self.cells: dict[tuple[int, int], list[float]] = {}  # (S, R) -> decayed [residual sum, weight, round]
+        self.cells: dict[int, dict[int, list[float]]] = {}  # S -> R -> decayed [residual sum, weight, round]
         self.round = 0
 
     def calibrated(self, rows: int) -> float:
@@ -435,7 +437,7 @@ class CostModel:
     def _cell(self, seqs: int, rows: int) -> float:
         """This (S, R)'s own offset from its line: its decayed mean residual, shrunk towards 0 by
         :data:`LINE_CELL_PRIOR` rounds (0 when not seen within the horizon)."""
-        c = self.cells.get((seqs, rows))
+        c = self.cells.get(seqs, {}).get(rows)
         if c is None or not LINE_CELL_PRIOR or self.round - c[2] > self.horizon:
             return 0.0
         return c[0] / (c[1] + LINE_CELL_PRIOR)
@@ -445,10 +447,11 @@ class CostModel:
             got = self._line_seconds(seqs, rows)
             if got is None:
                 return self.calibrated(rows)
-            if self.monotone and LINE_CELL_PRIOR:  # a cell's offset must not make it dearer than a wider one
-                wider = [self._line_seconds(s, r) for (s, r) in self.cells if s == seqs and r > rows]
+            ln = self.line(seqs) if self.monotone and LINE_CELL_PRIOR else None
+            if ln is not None:  # a width's offset must not make it dearer than a wider width seen
+                wider = [ln[0] + ln[1] * (r - seqs) + self._cell(seqs, r) for r in self.cells.get(seqs, ()) if r > rows]
                 if wider:
-                    got = min(got, min(wider))
+                    got = min(got, max(1e-6, min(wider)))
             return got
         seen = self._fresh(self.verify)
         if (seqs, rows) in seen:
@@ -498,9 +501,10 @@ class CostModel:
         elif st[0] >= LINE_CLIP_AFTER:  # one stall (or one lucky round) moves the line by a bounded step
             p = max(1e-6, pred[0] + pred[1] * (rows - seqs))
             seconds = min(max(seconds, p / LINE_CLIP), p * LINE_CLIP)
-            c = self.cells.get((seqs, rows))
+            mine = self.cells.setdefault(seqs, {})
+            c = mine.get(rows)
             if c is None or self.round - c[2] > self.horizon:
-                c = self.cells[(seqs, rows)] = [0.0, 0.0, 0]
+                c = mine[rows] = [0.0, 0.0, 0]
             c[0], c[1], c[2] = LINE_CELL_DECAY * c[0] + (seconds - p), LINE_CELL_DECAY * c[1] + 1.0, self.round
         x, d = float(rows - seqs), LINE_DECAY
         for i, v in enumerate((1.0, x, x * x, seconds, x * seconds)):
