@@ -49,7 +49,8 @@ from common import ROOT, machine, write_results
 import gemmaspec.speculative.chooser as chooser_mod
 from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, LINE_CELL_PRIOR, LINE_CLIP, LINE_DECAY,
                                            LINE_PRIOR, PRIOR_WEIGHT,
-                                           RATE_DECAY, RATE_MIN_ROUNDS, REQUEST_DECAY, Acceptance, CostModel,
+                                           RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST, REQUEST_DECAY, Acceptance,
+                                           CostModel,
                                            SlotView, choose)
 from gemmaspec.speculative.options import MAX_DRAFT_TOKENS
 
@@ -244,6 +245,7 @@ class SimPlanner:
         self.lam_decay, self.lam_min = 0.0, 5.0  # the rate the choice weighs seconds at (variant lam, lmin)
         self.rates: dict = {}  # slots -> [decayed tokens, decayed seconds, decayed rounds]
         self.rate_all = False  # the rate measured over every round (variant lall=1), not the planned ones only
+        self.rate_new = RATE_NEW_REQUEST  # the rates' weight kept when a request starts (variant lnew)
 
     def rate_for(self, slots: int):
         got = self.rates.get(slots)
@@ -272,6 +274,8 @@ def simulate_phase(pl: SimPlanner, positions: dict, users: int, spec_type: str, 
     gen = [1] * users  # the prefill made each request's first token
     for s in range(users):
         pl.per_slot[s] = {}
+        for rec in pl.rates.values():  # a new request: the rates measured on the others weigh less
+            rec[0], rec[1], rec[2] = rec[0] * pl.rate_new, rec[1] * pl.rate_new, rec[2] * pl.rate_new
     seconds, tokens, chosen = 0.0, 0, collections.Counter()
 
     def jitter() -> float:  # a machine's timing noise: lognormal, and a 1.5x stall in 2% of the parts
@@ -388,7 +392,7 @@ class _LineCost(CostModel):
 
 VARIANT = dict(w=PRIOR_WEIGHT, d=REQUEST_DECAY, pw=2.0, pd=0.99, e=EXPLORE, ea=1, es=EXPLORE_SLOTS, tol=0.01, line=0,
                lam=RATE_DECAY, lmin=RATE_MIN_ROUNDS, mono=1, fit=1, ld=LINE_DECAY, lc=LINE_CLIP, lp=LINE_PRIOR,
-               lk=LINE_CELL_PRIOR, lall=0)
+               lk=LINE_CELL_PRIOR, lall=0, lnew=RATE_NEW_REQUEST)
 """The shipped planner's parameters (``speculative/chooser.py``, ``planner.py``); ``before`` is
 ``w=1+ea=0+es=0+e=1+d=0.95+lam=0``, the planner before the replays; ``explore`` (``e=1+d=0.95+lam=0``) the
 one tuned on them before the layers' int8 products made verify rows cheap; ``ratio`` (``lam=0``) each
@@ -396,7 +400,8 @@ round's own tokens per second maximised, as before the measured rate (lam: its d
 rounds before it is used); mono=0: verify costs without the cap by wider rounds measured; fit=0: verify
 costs from per-(slots, rows) means instead of each slot count's fitted line (ld, lc, lp, lk: the line's
 decay, clip, slope prior and per-width offset prior, ``LINE_*`` in speculative/chooser.py); lall=1: the rate
-measured over every round, not only the planned ones."""
+measured over every round, not only the planned ones; lnew: the rates' weight kept when a request starts
+(1: the planner before RATE_NEW_REQUEST)."""
 
 
 def _variant(name: str):
@@ -482,7 +487,7 @@ def sim(args) -> None:
             chooser_mod.LINE_DECAY, chooser_mod.LINE_CLIP, chooser_mod.LINE_PRIOR = v["ld"], v["lc"], v["lp"]
             chooser_mod.LINE_CELL_PRIOR = v["lk"]
             pl = SimPlanner(truth, make, cost)
-            pl.lam_decay, pl.lam_min, pl.rate_all = v["lam"], v["lmin"], bool(v["lall"])
+            pl.lam_decay, pl.lam_min, pl.rate_all, pl.rate_new = v["lam"], v["lmin"], bool(v["lall"]), v["lnew"]
             chooser = lambda views, c, r=None: choose(views, c, tolerance=v["tol"], rate=r)  # noqa: E731
             for kind in kinds:
                 pos = tr["kinds"][kind][st]["positions"]

@@ -417,3 +417,32 @@ def test_the_planner_rate_per_slot_count_waits_decays_and_forgets():
     assert p.rate_for(4) is None
     p._observe_rate(4, 10, 0.010)
     assert p._rates[4][:3] == pytest.approx([10, 0.010, 1.0])
+
+
+def test_new_requests_make_the_measured_rate_count_for_less():
+    """A rate measured on other requests (another kind of text) weighs RATE_NEW_REQUEST per request that
+    starts: one new request among several keeps it in use, a batch that turned over waits for its own
+    rounds (the rounds' own ratio until then), and they move it faster than if it had kept its weight."""
+    from gemmaspec.speculative.chooser import RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST
+    from gemmaspec.speculative.planner import RoundPlanner
+
+    p, q = RoundPlanner(engine=None), RoundPlanner(engine=None)  # q: no request starts
+    for pl in (p, q):
+        for _ in range(40):
+            pl.totals.rounds += 1
+            pl._observe_rate(4, 8, 0.020)  # 400 tokens/s
+    rounds = sum(RATE_DECAY ** j for j in range(40))
+    p.new_request(0)
+    assert p._rates[4][2] == pytest.approx(RATE_NEW_REQUEST * rounds)
+    assert p.rate_for(4) == pytest.approx(400.0)  # the same rate, with less weight
+    for key in (1, 2, 3):
+        p.new_request(key)
+    assert RATE_NEW_REQUEST ** 4 * rounds < RATE_MIN_ROUNDS and p.rate_for(4) is None
+    for _ in range(3):  # the new batch's rounds: 200 tokens/s
+        for pl in (p, q):
+            pl.totals.rounds += 1
+            pl._observe_rate(4, 4, 0.020)
+    w_old = RATE_NEW_REQUEST ** 4 * rounds * RATE_DECAY ** 3
+    w_new = sum(RATE_DECAY ** j for j in range(3))
+    assert p.rate_for(4) == pytest.approx((400 * w_old + 200 * w_new) / (w_old + w_new))
+    assert p.rate_for(4) < q.rate_for(4) - 50

@@ -70,6 +70,16 @@ held-out cells below 0.97 (38 of 320; 41 at 0.98, 45 without)."""
 RATE_MIN_ROUNDS = 5.0
 """Decayed rounds of a slot count before its measured rate is used (before: each round's own ratio)."""
 
+RATE_NEW_REQUEST = 0.7
+"""Weight the measured rates keep when a request starts (:meth:`~.planner.RoundPlanner.new_request`).
+Seen in a round log (math at 4 users right after JSON): the first ~10 rounds of the new kind weighed a
+second at JSON's 414 tokens/s against math's ~290 and drafted nothing. With 0.7, two or more new
+requests at once leave the old rate below :data:`RATE_MIN_ROUNDS` (the rounds' own ratio until the new
+requests' rounds measure it); one new request among several running keeps most of it. Replayed over 16
+seeds (bench's / held-out prompts, costs on lines / at their medians): fewer kinds below 0.97 of the best
+fixed length in all four (17 / 37 / 18 / 49 of 320 -> 16 / 31 / 13 / 41), the means 0.985 / 0.986 /
+0.984 / 0.979 -> 0.985 / 0.985 / 0.985 / 0.981 (0.85 replayed the same)."""
+
 LINE_DECAY = 0.97
 """Decay per round of a slot count's verify line (:meth:`CostModel.line`): about its last 30 rounds."""
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from .batch import Preview, draft_batch, preview
-from .chooser import (PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS, REQUEST_DECAY, Acceptance, Choice, CostModel,
+from .chooser import (PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST, REQUEST_DECAY, Acceptance, Choice, CostModel,
                       SlotView, choose, explore_width)
 from .drafters import Draft, NoDrafter
 from .options import MAX_DRAFT_TOKENS
@@ -113,9 +113,16 @@ class RoundPlanner:
         self._rates[slots] = [d * got[0] + tokens, d * got[1] + seconds, d * got[2] + 1.0, self.totals.rounds]
 
     def new_request(self, key: int) -> None:
-        """Slot ``key`` starts a request: its own acceptance counts start from the pooled ones."""
+        """Slot ``key`` starts a request: its own acceptance counts start from the pooled ones, and the
+        measured rates weigh :data:`~.chooser.RATE_NEW_REQUEST` of what they did (they were measured on
+        the requests before: once a whole batch has turned over, its rounds measure the rate afresh
+        instead of inheriting one from another kind of text)."""
         self.per_slot[key] = {}
         self.last.pop(key, None)
+        for got in self._rates.values():
+            got[0] *= RATE_NEW_REQUEST
+            got[1] *= RATE_NEW_REQUEST
+            got[2] *= RATE_NEW_REQUEST
 
     def _acceptance(self, key: int, source: str, what: str = "gain") -> Acceptance:
         """Slot ``key``'s estimates for drafter ``source``: ``gain`` (a position gained given the one
