@@ -73,8 +73,9 @@ RATE_MIN_ROUNDS = 5.0
 RATE_NEW_REQUEST = 0.7
 """Weight the measured rates keep when a request starts (:meth:`~.planner.RoundPlanner.new_request`).
 Seen in a round log (math at 4 users right after JSON): the first ~10 rounds of the new kind weighed a
-second at JSON's 414 tokens/s against math's ~290 and drafted nothing. With 0.7, two or more new
-requests at once leave the old rate below :data:`RATE_MIN_ROUNDS` (the rounds' own ratio until the new
+second at JSON's 414 tokens/s against math's ~290 and drafted nothing. With 0.7, four or more new
+requests at once (a batch turning over) leave a steady rate's 20 decayed rounds below
+:data:`RATE_MIN_ROUNDS` (the rounds' own ratio until the new
 requests' rounds measure it); one new request among several running keeps most of it. Replayed over 16
 seeds (bench's / held-out prompts, costs on lines / at their medians): fewer kinds below 0.97 of the best
 fixed length in all four (17 / 37 / 18 / 49 of 320 -> 16 / 31 / 13 / 41), the means 0.985 / 0.986 /
