@@ -46,12 +46,9 @@ from pathlib import Path
 
 from common import ROOT, machine, write_results
 
-import gemmaspec.speculative.chooser as chooser_mod
-from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, LINE_CELL_PRIOR, LINE_CLIP, LINE_DECAY,
-                                           LINE_PRIOR, PRIOR_WEIGHT,
-                                           RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST, REQUEST_DECAY, Acceptance,
-                                           CostModel,
-                                           SlotView, choose)
+from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, LINE_CELL_PRIOR, LINE_CLIP, LINE_DECAY, LINE_PRIOR,
+                                           PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST, REQUEST_DECAY,
+                                           Acceptance, CostModel, SlotView, choose)
 from gemmaspec.speculative.options import MAX_DRAFT_TOKENS
 
 SPEC_TYPES = ("ngram-simple,draft-mtp", "draft-mtp")
@@ -258,6 +255,13 @@ class SimPlanner:
         d = self.lam_decay
         got[0], got[1], got[2] = d * got[0] + tokens, d * got[1] + seconds, d * got[2] + 1.0
 
+    def new_request(self, slot: int) -> None:
+        """A request starts on ``slot``: its own estimates start afresh and the measured rates weigh less
+        (the planner's ``new_request``)."""
+        self.per_slot[slot] = {}
+        for rec in self.rates.values():
+            rec[:3] = [v * self.rate_new for v in rec[:3]]
+
     def acc(self, slot: int, source: str, what: str = "gain") -> Acceptance:
         mine = self.per_slot.setdefault(slot, {})
         if (source, what) not in mine:
@@ -273,9 +277,7 @@ def simulate_phase(pl: SimPlanner, positions: dict, users: int, spec_type: str, 
     """One bench phase: ``users`` slots decode the same prompt together. Returns (seconds, tokens, chosen)."""
     gen = [1] * users  # the prefill made each request's first token
     for s in range(users):
-        pl.per_slot[s] = {}
-        for rec in pl.rates.values():  # a new request: the rates measured on the others weigh less
-            rec[0], rec[1], rec[2] = rec[0] * pl.rate_new, rec[1] * pl.rate_new, rec[2] * pl.rate_new
+        pl.new_request(s)
     seconds, tokens, chosen = 0.0, 0, collections.Counter()
 
     def jitter() -> float:  # a machine's timing noise: lognormal, and a 1.5x stall in 2% of the parts
@@ -428,6 +430,8 @@ def _variant(name: str):
         cost_cls = type("UnboundedCost", (cost_cls,), {"monotone": False})
     if not v["fit"]:
         cost_cls = type("CellCost", (cost_cls,), {"fit": False})
+    cost_cls = type("TunedCost", (cost_cls,), {"line_decay": v["ld"], "line_clip": v["lc"], "line_prior": v["lp"],
+                                               "line_cell_prior": v["lk"]})
     make = lambda parent=None: (acc_cls(MAX_DRAFT_TOKENS + 1, decay=v["d"], parent=parent, weight=v["w"])  # noqa: E731
                                 if parent else Acceptance(MAX_DRAFT_TOKENS + 1, decay=v["pd"], weight=v["pw"]))
     return make, cost_cls, v
@@ -484,8 +488,6 @@ def sim(args) -> None:
         rng = random.Random(run)
         for st in SPEC_TYPES:
             make, cost, v = _variant(args.variant)
-            chooser_mod.LINE_DECAY, chooser_mod.LINE_CLIP, chooser_mod.LINE_PRIOR = v["ld"], v["lc"], v["lp"]
-            chooser_mod.LINE_CELL_PRIOR = v["lk"]
             pl = SimPlanner(truth, make, cost)
             pl.lam_decay, pl.lam_min, pl.rate_all, pl.rate_new = v["lam"], v["lmin"], bool(v["lall"]), v["lnew"]
             chooser = lambda views, c, r=None: choose(views, c, tolerance=v["tol"], rate=r)  # noqa: E731

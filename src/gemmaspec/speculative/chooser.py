@@ -415,6 +415,9 @@ class CostModel:
     """Whether ``verify_seconds`` comes from each slot count's fitted line in rows (:meth:`line`) rather
     than per-(S, R) means (see the class docstring)."""
 
+    # the line's tunables (module constants; benchmarks/chooser_sim.py replays others in a subclass)
+    line_decay, line_prior, line_clip, line_cell_prior = LINE_DECAY, LINE_PRIOR, LINE_CLIP, LINE_CELL_PRIOR
+
     def prior_slope(self) -> float:
         """Seconds per extra row of one forward from the calibration (its mean slope; >= 0)."""
         c = self.cal
@@ -430,13 +433,17 @@ class CostModel:
             return None
         w, wx, wxx, wy, wxy = st[:5]
         sxx, sxy = wxx - wx * wx / w, wxy - wx * wy / w
-        b = max(0.0, (sxy + LINE_PRIOR * self.prior_slope()) / (max(sxx, 0.0) + LINE_PRIOR))
+        b = max(0.0, (sxy + self.line_prior * self.prior_slope()) / (max(sxx, 0.0) + self.line_prior))
         return (wy - b * wx) / w, b
+
+    def _width(self, ln: tuple[float, float], seqs: int, rows: int) -> float:
+        """Seconds of ``rows`` rows of ``seqs`` slots on line ``ln`` plus that width's own offset."""
+        return max(1e-6, ln[0] + ln[1] * (rows - seqs) + self._cell(seqs, rows))
 
     def _line_seconds(self, seqs: int, rows: int) -> float | None:
         got = self.line(seqs)
         if got is not None:
-            return max(1e-6, got[0] + got[1] * (rows - seqs) + self._cell(seqs, rows))
+            return self._width(got, seqs, rows)
         near = [s for s in self.lines if self.line(s) is not None]
         if not near:
             return None
@@ -449,20 +456,20 @@ class CostModel:
         """This (S, R)'s own offset from its line: its decayed mean residual, shrunk towards 0 by
         :data:`LINE_CELL_PRIOR` rounds (0 when not seen within the horizon)."""
         c = self.cells.get(seqs, {}).get(rows)
-        if c is None or not LINE_CELL_PRIOR or self.round - c[2] > self.horizon:
+        if c is None or not self.line_cell_prior or self.round - c[2] > self.horizon:
             return 0.0
-        return c[0] / (c[1] + LINE_CELL_PRIOR)
+        return c[0] / (c[1] + self.line_cell_prior)
 
     def verify_seconds(self, seqs: int, rows: int) -> float:
         if self.fit:
             got = self._line_seconds(seqs, rows)
             if got is None:
                 return self.calibrated(rows)
-            ln = self.line(seqs) if self.monotone and LINE_CELL_PRIOR else None
+            ln = self.line(seqs) if self.monotone and self.line_cell_prior else None
             if ln is not None:  # a width's offset must not make it dearer than a wider width seen
-                wider = [ln[0] + ln[1] * (r - seqs) + self._cell(seqs, r) for r in self.cells.get(seqs, ()) if r > rows]
+                wider = [self._width(ln, seqs, r) for r in self.cells.get(seqs, ()) if r > rows]
                 if wider:
-                    got = min(got, max(1e-6, min(wider)))
+                    got = min(got, min(wider))
             return got
         seen = self._fresh(self.verify)
         if (seqs, rows) in seen:
@@ -511,13 +518,13 @@ class CostModel:
             st = self.lines[seqs] = [0.0] * 6
         elif st[0] >= LINE_CLIP_AFTER:  # one stall (or one lucky round) moves the line by a bounded step
             p = max(1e-6, pred[0] + pred[1] * (rows - seqs))
-            seconds = min(max(seconds, p / LINE_CLIP), p * LINE_CLIP)
+            seconds = min(max(seconds, p / self.line_clip), p * self.line_clip)
             mine = self.cells.setdefault(seqs, {})
             c = mine.get(rows)
             if c is None or self.round - c[2] > self.horizon:
                 c = mine[rows] = [0.0, 0.0, 0]
             c[0], c[1], c[2] = LINE_CELL_DECAY * c[0] + (seconds - p), LINE_CELL_DECAY * c[1] + 1.0, self.round
-        x, d = float(rows - seqs), LINE_DECAY
+        x, d = float(rows - seqs), self.line_decay
         for i, v in enumerate((1.0, x, x * x, seconds, x * seconds)):
             st[i] = d * st[i] + v
         st[5] = self.round

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from .batch import Preview, draft_batch, preview
-from .chooser import (PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST, REQUEST_DECAY, Acceptance, Choice, CostModel,
-                      SlotView, choose, explore_width)
+from .chooser import (PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST, REQUEST_DECAY, Acceptance, Choice,
+                      CostModel, SlotView, choose, explore_width)
 from .drafters import Draft, NoDrafter
 from .options import MAX_DRAFT_TOKENS
 
@@ -120,9 +120,7 @@ class RoundPlanner:
         self.per_slot[key] = {}
         self.last.pop(key, None)
         for got in self._rates.values():
-            got[0] *= RATE_NEW_REQUEST
-            got[1] *= RATE_NEW_REQUEST
-            got[2] *= RATE_NEW_REQUEST
+            got[:3] = [v * RATE_NEW_REQUEST for v in got[:3]]
 
     def _acceptance(self, key: int, source: str, what: str = "gain") -> Acceptance:
         """Slot ``key``'s estimates for drafter ``source``: ``gain`` (a position gained given the one
