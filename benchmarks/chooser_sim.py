@@ -473,6 +473,8 @@ def sim(args) -> None:
     except (ValueError, KeyError):
         raise SystemExit(f"error: --variant {args.variant!r}: use base, before, explore, ratio, oracle or key=value+... "
                          f"with keys {', '.join(VARIANT)}") from None
+    if args.truth_cells < 0:
+        raise SystemExit(f"error: --truth-cells {args.truth_cells}: use 0 (every round on its line) or a sample count")
     tr = {"kinds": {}}
     for name in args.trace.split(","):  # several traces: their kinds side by side
         one = _load(name, "trace")

@@ -59,3 +59,9 @@ def test_truth_cells_keep_a_well_measured_width_off_the_line():
     assert cells.verify(1, 1) == pytest.approx(0.010)
     assert cells.verify(1, 4) == pytest.approx(line.verify(1, 4))  # 3 samples: on the line
     assert cells.verify(1, 3) == pytest.approx(line.verify(1, 3))
+
+
+def test_a_negative_truth_cells_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as got:
+        sim.sim(sim.argparse.Namespace(variant="base", truth_cells=-1))
+    assert "--truth-cells -1" in str(got.value)
