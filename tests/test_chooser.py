@@ -191,6 +191,28 @@ def test_a_width_seen_often_keeps_its_own_offset_from_the_line():
     assert m.verify_seconds(8, 28) == pytest.approx(m.line(8)[0] + m.line(8)[1] * 20)  # never seen: on the line
 
 
+def test_verify_prices_follow_every_round_observed():
+    """The cost model keeps a round's lines and widest-width minima between observations (the chooser
+    asks for every width each round): each price equals one computed from scratch, before and after a
+    round that moves the line and a width's offset."""
+    def fresh_copy(m: CostModel) -> CostModel:
+        c = CostModel(m.cal)
+        c.lines = {k: list(v) for k, v in m.lines.items()}
+        c.cells = {s: {r: list(v) for r, v in d.items()} for s, d in m.cells.items()}
+        c.round = m.round
+        return c
+    m = CostModel([0.010] * 16)
+    for i in range(40):
+        for rows in (8, 12, 16, 24):
+            m.observe_verify(8, rows, 0.027 + 0.0018 * (rows - 8) + (0.003 if rows == 16 and i % 3 else 0.0))
+    before = [m.verify_seconds(8, r) for r in range(8, 33)]
+    assert before == [fresh_copy(m).verify_seconds(8, r) for r in range(8, 33)]
+    m.observe_verify(8, 12, 0.060)  # a slow round of 12 rows: the line and 12's offset move
+    after = [m.verify_seconds(8, r) for r in range(8, 33)]
+    assert after == [fresh_copy(m).verify_seconds(8, r) for r in range(8, 33)]
+    assert after[12 - 8] > before[12 - 8] and after != before
+
+
 def test_verify_lines_are_forgotten_past_the_horizon():
     m = CostModel([0.010, 0.020], horizon=3)
     m.observe_verify(2, 2, 0.100)

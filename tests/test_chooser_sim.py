@@ -65,3 +65,25 @@ def test_a_negative_truth_cells_is_refused_in_one_line(capsys):
     with pytest.raises(SystemExit) as got:
         sim.sim(sim.argparse.Namespace(variant="base", truth_cells=-1))
     assert "--truth-cells -1" in str(got.value)
+
+
+def test_several_prompts_are_taken_from_one_queue_as_the_bench_sends_them():
+    """--mix: a phase's users take the kind's prompts from one queue (cycled up to a multiple of the
+    users); at one user that is each prompt's phase one after the other."""
+    truth = sim.Truth(COSTS)
+    a = {str(g): [3, 3, "draft-mtp"] for g in range(1, 47)}  # every draft accepted
+    b = {str(g): [3, 0, "draft-mtp"] for g in range(1, 47)}  # every draft rejected
+
+    def phase(prompts, users):
+        return sim.simulate_phase(sim.SimPlanner(truth), prompts, users, "draft-mtp", 3, False, 48,
+                                  random.Random(0), 0.0)
+    sa, ta, _ = phase(a, 1)
+    sb, tb, _ = phase(b, 1)
+    both, tokens, _ = phase([a, b], 1)
+    assert tokens == ta + tb == 94 and both == pytest.approx(sa + sb)
+    # two users, three prompts: four requests (a, b, a, a), each 47 tokens after its prefill's first
+    _, tokens, _ = phase([a, b, a], 2)
+    assert tokens == 4 * 47
+    # one prompt: every user decodes it (the bench's --prompts-per-kind 1)
+    _, tokens, _ = phase(a, 3)
+    assert tokens == 3 * 47

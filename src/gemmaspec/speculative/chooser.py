@@ -36,6 +36,7 @@ per-position draws), so only speed depends on it.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -287,8 +288,8 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01, rat
     verify[rows_max + 1] = verify[rows_max]
     over = getattr(costs, "overhead_seconds", None)
     over_idle, over_draft = (over(n, False), over(n, True)) if over is not None else (0.0, 0.0)
-    step = {s.source: [0.0] + [costs.draft_seconds(s.source, b) for b in range(1, n + 1)] + [0.0]
-            for s in slots if s.source}
+    step = {src: [0.0] + [costs.draft_seconds(src, b) for b in range(1, n + 1)] + [0.0]
+            for src in dict.fromkeys(s.source for s in slots if s.source)}
     for tab in step.values():
         tab[-1] = tab[-2]
 
@@ -296,16 +297,21 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01, rat
         lo = int(x)
         return tab[lo] + (x - lo) * (tab[lo + 1] - tab[lo])
 
+    # per slot and length k: expected draft rows sum(reach[1:k+1]) and draft steps sum(reach[:k])
+    rows_k = [[sum(r[1:k + 1]) for k in range(len(r))] for r in reach]
+    steps_k = [[sum(r[:k]) for k in range(len(r))] for r in reach]
+    sources = [s.source for s in slots]
+
     def seconds(ns) -> float:
-        total = at(verify, n + sum(sum(reach[i][1:k + 1]) for i, k in enumerate(ns)))
-        total += over_draft if any(k and s.source for s, k in zip(slots, ns)) else over_idle
+        total = at(verify, n + sum(rows_k[i][k] for i, k in enumerate(ns)))
+        drafting = [i for i, k in enumerate(ns) if k and sources[i]]
+        total += over_draft if drafting else over_idle
         by_source: dict[str, list[int]] = {}
-        for i, (s, k) in enumerate(zip(slots, ns)):
-            if k and s.source:
-                if s.batched:
-                    by_source.setdefault(s.source, []).append(i)
-                else:
-                    total += sum(reach[i][:k]) * step[s.source][1]
+        for i in drafting:
+            if slots[i].batched:
+                by_source.setdefault(sources[i], []).append(i)
+            else:
+                total += steps_k[i][ns[i]] * step[sources[i]][1]
         for src, rows in by_source.items():
             for j in range(1, max(ns[i] for i in rows) + 1):  # step j runs for the slots that drafted j - 1
                 total += at(step[src], sum(reach[i][j - 1] for i in rows if ns[i] >= j))
@@ -394,6 +400,15 @@ class CostModel:
         self.lines: dict[int, list[float]] = {}  # S -> decayed [W, Wx, Wxx, Wy, Wxy, round seen], x = R - S
         self.cells: dict[int, dict[int, list[float]]] = {}  # S -> R -> decayed [residual sum, weight, round]
         self.round = 0
+        self._memo: dict = {}  # this round's lines and widths (they change only when a round is observed)
+        self._memo_round = -1
+
+    def _cached(self) -> dict:
+        """This round's memo (:meth:`line`, :meth:`_wider`): the chooser asks for every width of a round
+        (25 at 8 slots) and the lines move only in :meth:`observe_verify`, which empties it."""
+        if self._memo_round != self.round:
+            self._memo, self._memo_round = {}, self.round
+        return self._memo
 
     def calibrated(self, rows: int) -> float:
         """Calibrated seconds of one forward over ``rows`` rows (linear beyond the calibration)."""
@@ -428,13 +443,36 @@ class CostModel:
         by decayed least squares over that slot count's recent rounds with the slope shrunk towards
         :meth:`prior_slope` (weight :data:`LINE_PRIOR`; it decides while the rounds seen span few row
         counts) and kept >= 0; None when no fresh round of ``seqs`` slots was seen."""
+        memo = self._cached()
+        key = ("line", seqs)
+        if key in memo:
+            return memo[key]
         st = self.lines.get(seqs)
         if st is None or self.round - st[5] > self.horizon or st[0] <= 0:
-            return None
-        w, wx, wxx, wy, wxy = st[:5]
-        sxx, sxy = wxx - wx * wx / w, wxy - wx * wy / w
-        b = max(0.0, (sxy + self.line_prior * self.prior_slope()) / (max(sxx, 0.0) + self.line_prior))
-        return (wy - b * wx) / w, b
+            got = None
+        else:
+            w, wx, wxx, wy, wxy = st[:5]
+            sxx, sxy = wxx - wx * wx / w, wxy - wx * wy / w
+            b = max(0.0, (sxy + self.line_prior * self.prior_slope()) / (max(sxx, 0.0) + self.line_prior))
+            got = ((wy - b * wx) / w, b)
+        memo[key] = got
+        return got
+
+    def _wider(self, seqs: int, rows: int, ln: tuple[float, float]) -> float | None:
+        """The cheapest width wider than ``rows`` seen for ``seqs`` slots, priced on line ``ln`` with its
+        own offset (None when none was seen): from a per-round table of suffix minima."""
+        memo = self._cached()
+        key = ("wider", seqs)
+        got = memo.get(key)
+        if got is None:
+            widths = sorted(self.cells.get(seqs, ()))
+            mins = [self._width(ln, seqs, r) for r in widths]
+            for i in range(len(mins) - 2, -1, -1):
+                mins[i] = min(mins[i], mins[i + 1])
+            got = memo[key] = (widths, mins)
+        widths, mins = got
+        i = bisect.bisect_right(widths, rows)
+        return mins[i] if i < len(widths) else None
 
     def _width(self, ln: tuple[float, float], seqs: int, rows: int) -> float:
         """Seconds of ``rows`` rows of ``seqs`` slots on line ``ln`` plus that width's own offset."""
@@ -467,9 +505,9 @@ class CostModel:
                 return self.calibrated(rows)
             ln = self.line(seqs) if self.monotone and self.line_cell_prior else None
             if ln is not None:  # a width's offset must not make it dearer than a wider width seen
-                wider = [self._width(ln, seqs, r) for r in self.cells.get(seqs, ()) if r > rows]
-                if wider:
-                    got = min(got, min(wider))
+                wider = self._wider(seqs, rows, ln)
+                if wider is not None:
+                    got = min(got, wider)
             return got
         seen = self._fresh(self.verify)
         if (seqs, rows) in seen:
@@ -528,6 +566,7 @@ class CostModel:
         for i, v in enumerate((1.0, x, x * x, seconds, x * seconds)):
             st[i] = d * st[i] + v
         st[5] = self.round
+        self._memo_round = -1  # the line and the widths just moved
 
     def observe_draft(self, source: str, batch: int, seconds: float) -> None:
         """One draft step of ``source`` over ``batch`` rows took ``seconds``."""
