@@ -282,8 +282,7 @@ def simulate_phase(pl: SimPlanner, positions: dict | list, users: int, spec_type
     multiple of ``users`` and taken from one queue as ``gemmaspec bench`` does). Returns (seconds,
     tokens, chosen)."""
     prompts = positions if isinstance(positions, list) else [positions]
-    todo = [prompts[i % len(prompts)] for i in range(-(-len(prompts) // users) * users)] if len(prompts) > 1 \
-        else prompts * users
+    todo = [prompts[i % len(prompts)] for i in range(-(-len(prompts) // users) * users)]  # the bench's requests_for
     mine: list[dict] = [{}] * users
     gen = [max_tokens] * users
     nxt = 0
@@ -493,6 +492,8 @@ def sim(args) -> None:
     except (ValueError, KeyError):
         raise SystemExit(f"error: --variant {args.variant!r}: use base, before, explore, ratio, oracle or key=value+... "
                          f"with keys {', '.join(VARIANT)}") from None
+    if args.variant == "oracle" and args.mix:
+        raise SystemExit("error: --variant oracle knows one prompt's rates: not with --mix")
     if args.truth_cells < 0:
         raise SystemExit(f"error: --truth-cells {args.truth_cells}: use 0 (every round on its line) or a sample count")
     tr = {"kinds": {}}
@@ -520,8 +521,6 @@ def sim(args) -> None:
             chooser = lambda views, c, r=None: choose(views, c, tolerance=v["tol"], rate=r)  # noqa: E731
             for kind in kinds:
                 pos = tr["kinds"][kind][st]["positions"]
-                if args.variant == "oracle" and args.mix:
-                    raise SystemExit("error: --variant oracle knows one prompt's rates: not with --mix")
                 oracle = _true_rates(pos, st) if args.variant == "oracle" else None
                 for u in users:
                     for n, ch in configs:

@@ -87,3 +87,9 @@ def test_several_prompts_are_taken_from_one_queue_as_the_bench_sends_them():
     # one prompt: every user decodes it (the bench's --prompts-per-kind 1)
     _, tokens, _ = phase(a, 3)
     assert tokens == 3 * 47
+
+
+def test_the_oracle_is_refused_with_several_prompts_in_one_line():
+    with pytest.raises(SystemExit) as got:
+        sim.sim(sim.argparse.Namespace(variant="oracle", mix=True, truth_cells=0))
+    assert "--mix" in str(got.value)
