@@ -49,9 +49,10 @@ from pathlib import Path
 
 from common import ROOT, machine, write_results
 
-from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, LINE_CELL_PRIOR, LINE_CLIP, LINE_DECAY, LINE_PRIOR,
-                                           PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST, REQUEST_DECAY,
-                                           Acceptance, CostModel, SlotView, choose)
+from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, FAIRNESS, LINE_CELL_PRIOR, LINE_CLIP, LINE_DECAY,
+                                           LINE_PRIOR, PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST,
+                                           REQUEST_DECAY, SLOT_RATE_DECAY, Acceptance, CostModel, SlotView, choose,
+                                           slot_weights)
 from gemmaspec.speculative.options import MAX_DRAFT_TOKENS
 
 SPEC_TYPES = ("ngram-simple,draft-mtp", "draft-mtp")
@@ -246,6 +247,8 @@ class SimPlanner:
         self.rates: dict = {}  # slots -> [decayed tokens, decayed seconds, decayed rounds]
         self.rate_all = False  # the rate measured over every round (variant lall=1), not the planned ones only
         self.rate_new = RATE_NEW_REQUEST  # the rates' weight kept when a request starts (variant lnew)
+        self.pf, self.pf_decay = FAIRNESS, SLOT_RATE_DECAY  # slot weights (mean rate / own rate) ** pf (variant pf, pfd)
+        self.slot_rate: dict = {}  # slot -> [decayed tokens, decayed seconds] of its request's rounds
 
     def rate_for(self, slots: int):
         got = self.rates.get(slots)
@@ -262,6 +265,7 @@ class SimPlanner:
         """A request starts on ``slot``: its own estimates start afresh and the measured rates weigh less
         (the planner's ``new_request``)."""
         self.per_slot[slot] = {}
+        self.slot_rate.pop(slot, None)
         for rec in self.rates.values():
             rec[:3] = [v * self.rate_new for v in rec[:3]]
 
@@ -331,10 +335,14 @@ def simulate_phase(pl: SimPlanner, positions: dict | list, users: int, spec_type
             info.append((s, drafted, acc, source, cap))
         planned = choose_n and any(v.cap > 0 for v in views)
         if planned:
+            own = [pl.slot_rate.get(s) for s in live]
+            for v, w in zip(views, slot_weights([r[0] / r[1] if r and r[1] > 0 else None for r in own], pl.pf)):
+                v.weight = w
             ns = chooser(views, pl.cost, pl.rate_for(S)).ns
         else:
             ns = [v.fixed or 0 if v.fixed is not None else 0 for v in views]
         rows, tokens0 = S, tokens
+        before = list(gen)
         steps = collections.Counter()
         model_drafted = False
         for (s, drafted, acc, source, cap), n in zip(info, ns):
@@ -372,6 +380,9 @@ def simulate_phase(pl: SimPlanner, positions: dict | list, users: int, spec_type
         pl.cost.observe_verify(S, rows, t_verify)
         pl.cost.observe_overhead(S, model_drafted, min(t_over, 0.25 * t_verify))
         seconds += t_verify + t_steps + t_over
+        for (s, *_), n in zip(info, ns):
+            r = pl.slot_rate.setdefault(s, [0.0, 0.0])
+            r[0], r[1] = pl.pf_decay * r[0] + (gen[s] - before[s]), pl.pf_decay * r[1] + t_verify + t_steps + t_over
         if planned or pl.rate_all:
             pl.observe_rate(S, tokens - tokens0, t_verify + t_steps + t_over)
         for s in live:
@@ -413,7 +424,7 @@ class _LineCost(CostModel):
 
 VARIANT = dict(w=PRIOR_WEIGHT, d=REQUEST_DECAY, pw=2.0, pd=0.99, e=EXPLORE, ea=1, es=EXPLORE_SLOTS, tol=0.01, line=0,
                lam=RATE_DECAY, lmin=RATE_MIN_ROUNDS, mono=1, fit=1, ld=LINE_DECAY, lc=LINE_CLIP, lp=LINE_PRIOR,
-               lk=LINE_CELL_PRIOR, lall=0, lnew=RATE_NEW_REQUEST)
+               lk=LINE_CELL_PRIOR, lall=0, lnew=RATE_NEW_REQUEST, pf=FAIRNESS, pfd=SLOT_RATE_DECAY)
 """The shipped planner's parameters (``speculative/chooser.py``, ``planner.py``); ``before`` is
 ``w=1+ea=0+es=0+e=1+d=0.95+lam=0``, the planner before the replays; ``explore`` (``e=1+d=0.95+lam=0``) the
 one tuned on them before the layers' int8 products made verify rows cheap; ``ratio`` (``lam=0``) each
@@ -422,7 +433,8 @@ rounds before it is used); mono=0: verify costs without the cap by wider rounds 
 costs from per-(slots, rows) means instead of each slot count's fitted line (ld, lc, lp, lk: the line's
 decay, clip, slope prior and per-width offset prior, ``LINE_*`` in speculative/chooser.py); lall=1: the rate
 measured over every round, not only the planned ones; lnew: the rates' weight kept when a request starts
-(1: the planner before RATE_NEW_REQUEST)."""
+(1: the planner before RATE_NEW_REQUEST); pf: the slots' weights' exponent (``FAIRNESS``; 0: every slot's
+tokens alike, the planner before it), pfd: the decay of a request's own rate behind them."""
 
 
 def _variant(name: str):
@@ -432,9 +444,9 @@ def _variant(name: str):
     tolerance; line: the per-slot-count level cost model)."""
     v = dict(VARIANT)
     if name == "before":
-        name = "w=1+ea=0+es=0+e=1+d=0.95+lam=0"
+        name = "w=1+ea=0+es=0+e=1+d=0.95+lam=0+pf=0"
     elif name == "explore":
-        name = "e=1+d=0.95+lam=0"
+        name = "e=1+d=0.95+lam=0+pf=0"
     elif name == "ratio":
         name = "lam=0"
     if name not in ("base", "oracle"):
@@ -518,6 +530,7 @@ def sim(args) -> None:
             make, cost, v = _variant(args.variant)
             pl = SimPlanner(truth, make, cost)
             pl.lam_decay, pl.lam_min, pl.rate_all, pl.rate_new = v["lam"], v["lmin"], bool(v["lall"]), v["lnew"]
+            pl.pf, pl.pf_decay = v["pf"], v["pfd"]
             chooser = lambda views, c, r=None: choose(views, c, tolerance=v["tol"], rate=r)  # noqa: E731
             for kind in kinds:
                 pos = tr["kinds"][kind][st]["positions"]

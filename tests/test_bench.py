@@ -147,6 +147,25 @@ def test_crossover_never_paid_and_no_baseline():
     assert "no crossover" in analyze.crossover_sentence(none, "t")
 
 
+def test_where_speculation_stops_paying_the_chosen_lengths_are_judged_against_none():
+    """Kind k stops paying at 4 users (the best fixed length 0.9x); there the lengths chosen per round
+    gave 0.8x (outside noise: it lost) in one configuration and 0.99x (within noise) in another; kind j
+    pays everywhere and is not named."""
+    cells = [{"target": "t", "kind": kind, "users": u, "config": cfg, "speedup_aggregate": x}
+             for kind, u, cfg, x in (("k", 1, "n=2", 2.0), ("k", 2, "n=2", 1.5), ("k", 4, "n=2", 0.9),
+                                     ("k", 1, "d n=choose3", 1.9), ("k", 4, "d n=choose3", 0.8),
+                                     ("k", 4, "m n=choose3", 0.99), ("j", 4, "n=2", 1.5),
+                                     ("j", 4, "d n=choose3", 1.4))]
+    cross = analyze.crossover(cells, "t")
+    assert cross["k"]["stops_at"] == 4 and cross["j"]["stops_at"] is None
+    said = analyze.chosen_where_it_stops(cells, cross, "t")
+    assert "d n=choose3 gave 0.80x for k at 4 users: slower than no speculation outside noise for k at 4 users" in said
+    assert "m n=choose3 gave ~0.99x for k at 4 users: never slower than no speculation outside noise" in said
+    assert " j " not in said and "1.90x" not in said
+    pays = [c for c in cells if c["kind"] == "j"]
+    assert analyze.chosen_where_it_stops(pays, analyze.crossover(pays, "t"), "t") == ""
+
+
 def test_itl_merges_a_round_and_splits_its_gap():
     # a token at 0.1; then 3 in one round, its last piece at 0.4005 (when the reader has it all); 1 at 0.5
     assert analyze.itl_samples([[0.1, 1], [0.4, 2], [0.4005, 1], [0.5, 1]]) == pytest.approx(

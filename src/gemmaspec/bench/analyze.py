@@ -316,6 +316,40 @@ def crossover_sentence(cross: dict, target: str) -> str:
     return s + "."
 
 
+def chosen_where_it_stops(cells: list[dict], cross: dict, target: str) -> str:
+    """One sentence: where speculation stops paying (:func:`crossover`'s ``stops_at`` and every larger
+    user count, per kind and over all kinds), what each configuration that chooses its draft lengths per
+    round (``n=choose...``, the server's default way) gave against no speculation there, and whether it
+    lost outside noise (:func:`verdict` ``"costs"``). "" when speculation pays at every count or nothing
+    chose its lengths."""
+    chosen = list(dict.fromkeys(c["config"] for c in cells if c["target"] == target and "n=choose" in c["config"]))
+    spots = [(kind, u) for kind, c in cross.items() if c.get("stops_at") is not None
+             for u in c["users"] if u >= c["stops_at"]]
+    if not chosen or not spots:
+        return ""
+    by = {(c["config"], c["kind"], c["users"]): c for c in cells if c["target"] == target}
+    parts = []
+    for cfg in chosen:
+        said, lost = [], []
+        for kind, u in spots:
+            c = by.get((cfg, kind, u))
+            if c is None or c.get("speedup_aggregate") is None:
+                continue
+            v = verdict(c["speedup_aggregate"], c.get("speedup_aggregate_range"))
+            where = f"{'all kinds' if kind == ALL else kind} at {_users(u)}"
+            said.append(f"{'~' if v == 'noise' else ''}{c['speedup_aggregate']:.2f}x for {where}")
+            if v == "costs":
+                lost.append(where)
+        if said:
+            parts.append(f"{cfg} gave {', '.join(said)}: "
+                         + (f"slower than no speculation outside noise for {', '.join(lost)}" if lost else
+                            "never slower than no speculation outside noise"))
+    if not parts:
+        return ""
+    return ("Where speculation stops paying, the draft lengths chosen per round (against no speculation; "
+            "~: within noise): " + "; ".join(parts) + ".")
+
+
 def lossless(results: dict, margin=None) -> list[dict]:
     """At temperature 0, every output against the target's no-speculation output of the same prompt
     (its first ``none`` request). Returns the mismatches, one per (target, config, users, kind,

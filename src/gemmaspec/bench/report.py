@@ -11,7 +11,7 @@ import json
 import string
 from pathlib import Path
 
-from .analyze import ALL, NOISE, crossover_sentence, summarize, within_noise
+from .analyze import ALL, NOISE, chosen_where_it_stops, crossover_sentence, summarize, within_noise
 from .plots import BAND, PLOT_DPI, PLOT_SIZE, PLOTS, draw_plots
 from .run import plan_summary
 
@@ -174,7 +174,11 @@ def markdown(results: dict, s: dict) -> str:
     lines = header(results)
     lines += ["Figures are defined in docs/benchmarks.md. Compare ratios measured in the same run.", ""]
     lines += ["## Crossover", ""]
-    lines += [crossover_sentence(s["crossover"].get(t, {}), t) for t in targets]
+    for t in targets:
+        lines.append(crossover_sentence(s["crossover"].get(t, {}), t))
+        chosen = chosen_where_it_stops(cells, s["crossover"].get(t, {}), t)
+        if chosen:
+            lines += ["", chosen]
     lines += [""] + ([plan_summary(results), ""] if plan_summary(results) else [])
     lines += _noise_text(results) + _aggregate_vs_user(s, targets)
     for t in targets:
