@@ -49,10 +49,9 @@ from pathlib import Path
 
 from common import ROOT, machine, write_results
 
-from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, FAIRNESS, LINE_CELL_PRIOR, LINE_CLIP, LINE_DECAY,
-                                           LINE_PRIOR, PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST,
-                                           REQUEST_DECAY, SLOT_RATE_DECAY, Acceptance, CostModel, SlotView, choose,
-                                           slot_weights)
+from gemmaspec.speculative.chooser import (EXPLORE, EXPLORE_SLOTS, LINE_CELL_PRIOR, LINE_CLIP, LINE_DECAY, LINE_PRIOR,
+                                           PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST, REQUEST_DECAY,
+                                           Acceptance, CostModel, SlotView, choose)
 from gemmaspec.speculative.options import MAX_DRAFT_TOKENS
 
 SPEC_TYPES = ("ngram-simple,draft-mtp", "draft-mtp")
@@ -247,7 +246,7 @@ class SimPlanner:
         self.rates: dict = {}  # slots -> [decayed tokens, decayed seconds, decayed rounds]
         self.rate_all = False  # the rate measured over every round (variant lall=1), not the planned ones only
         self.rate_new = RATE_NEW_REQUEST  # the rates' weight kept when a request starts (variant lnew)
-        self.pf, self.pf_decay = FAIRNESS, SLOT_RATE_DECAY  # slot weights (mean rate / own rate) ** pf (variant pf, pfd)
+        self.pf, self.pf_decay = 0.0, 0.95  # slot weights (mean rate / own rate) ** pf (variant pf, pfd)
         self.slot_rate: dict = {}  # slot -> [decayed tokens, decayed seconds] of its request's rounds
 
     def rate_for(self, slots: int):
@@ -277,14 +276,31 @@ class SimPlanner:
         return mine[(source, what)]
 
 
+def slot_weights(rates: list, fairness: float) -> list[float]:
+    """Each slot's :attr:`SlotView.weight` from its request's recent tokens per second (None: not yet
+    measured, weighed as the mean): ``(mean / rate_i) ** fairness`` over the measured slots, scaled to a
+    mean of 1 (variant ``pf``: proportional fairness at 1, each round maximising the sum of the logs of
+    the requests' rates to first order; Kelly, Maulloo & Tan, "Rate control for communication
+    networks", 1998). All 1 with fewer than two slots, nothing measured, or ``fairness`` 0."""
+    known = [r for r in rates if r is not None and r > 0]
+    if len(rates) < 2 or not known or not fairness:
+        return [1.0] * len(rates)
+    mean = sum(known) / len(known)
+    w = [(mean / r) ** fairness if r is not None and r > 0 else 1.0 for r in rates]
+    m = sum(w) / len(w)
+    return [x / m for x in w]
+
+
 def simulate_phase(pl: SimPlanner, positions: dict | list, users: int, spec_type: str, n_max: int, choose_n: bool,
-                   max_tokens: int, rng: random.Random, noise: float, chooser=choose,
+                   max_tokens: int, rng: random.Random, noise: float, chooser=None,
                    oracle: dict | None = None, explore=EXPLORE,
                    explore_slots=EXPLORE_SLOTS) -> tuple[float, int, dict]:
     """One bench phase: ``users`` closed-loop users decode one kind's prompts (``positions``: one
     prompt's trace, which every user decodes together, or a list of prompts' traces, cycled up to a
     multiple of ``users`` and taken from one queue as ``gemmaspec bench`` does). Returns (seconds,
     tokens, chosen)."""
+    if chooser is None:  # the shipped choice: (views, costs, rate) -> Choice
+        chooser = lambda views, costs, rate=None: choose(views, costs, rate=rate)  # noqa: E731
     prompts = positions if isinstance(positions, list) else [positions]
     todo = [prompts[i % len(prompts)] for i in range(-(-len(prompts) // users) * users)]  # the bench's requests_for
     mine: list[dict] = [{}] * users
@@ -334,10 +350,11 @@ def simulate_phase(pl: SimPlanner, positions: dict | list, users: int, spec_type
             views.append(v)
             info.append((s, drafted, acc, source, cap))
         planned = choose_n and any(v.cap > 0 for v in views)
-        if planned:
+        if planned and pl.pf:
             own = [pl.slot_rate.get(s) for s in live]
             for v, w in zip(views, slot_weights([r[0] / r[1] if r and r[1] > 0 else None for r in own], pl.pf)):
                 v.weight = w
+        if planned:
             ns = chooser(views, pl.cost, pl.rate_for(S)).ns
         else:
             ns = [v.fixed or 0 if v.fixed is not None else 0 for v in views]
@@ -424,7 +441,7 @@ class _LineCost(CostModel):
 
 VARIANT = dict(w=PRIOR_WEIGHT, d=REQUEST_DECAY, pw=2.0, pd=0.99, e=EXPLORE, ea=1, es=EXPLORE_SLOTS, tol=0.01, line=0,
                lam=RATE_DECAY, lmin=RATE_MIN_ROUNDS, mono=1, fit=1, ld=LINE_DECAY, lc=LINE_CLIP, lp=LINE_PRIOR,
-               lk=LINE_CELL_PRIOR, lall=0, lnew=RATE_NEW_REQUEST, pf=FAIRNESS, pfd=SLOT_RATE_DECAY)
+               lk=LINE_CELL_PRIOR, lall=0, lnew=RATE_NEW_REQUEST, pf=0.0, pfd=0.95)
 """The shipped planner's parameters (``speculative/chooser.py``, ``planner.py``); ``before`` is
 ``w=1+ea=0+es=0+e=1+d=0.95+lam=0``, the planner before the replays; ``explore`` (``e=1+d=0.95+lam=0``) the
 one tuned on them before the layers' int8 products made verify rows cheap; ``ratio`` (``lam=0``) each
@@ -433,8 +450,9 @@ rounds before it is used); mono=0: verify costs without the cap by wider rounds 
 costs from per-(slots, rows) means instead of each slot count's fitted line (ld, lc, lp, lk: the line's
 decay, clip, slope prior and per-width offset prior, ``LINE_*`` in speculative/chooser.py); lall=1: the rate
 measured over every round, not only the planned ones; lnew: the rates' weight kept when a request starts
-(1: the planner before RATE_NEW_REQUEST); pf: the slots' weights' exponent (``FAIRNESS``; 0: every slot's
-tokens alike, the planner before it), pfd: the decay of a request's own rate behind them."""
+(1: the planner before RATE_NEW_REQUEST); pf: each slot's tokens weighed by :func:`slot_weights` with this
+exponent (proportional fairness at 1; 0, the shipped planner: every slot's tokens alike), pfd: the decay
+per round of a request's own rate behind the weights."""
 
 
 def _variant(name: str):
@@ -444,9 +462,9 @@ def _variant(name: str):
     tolerance; line: the per-slot-count level cost model)."""
     v = dict(VARIANT)
     if name == "before":
-        name = "w=1+ea=0+es=0+e=1+d=0.95+lam=0+pf=0"
+        name = "w=1+ea=0+es=0+e=1+d=0.95+lam=0"
     elif name == "explore":
-        name = "e=1+d=0.95+lam=0+pf=0"
+        name = "e=1+d=0.95+lam=0"
     elif name == "ratio":
         name = "lam=0"
     if name not in ("base", "oracle"):

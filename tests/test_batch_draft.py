@@ -166,11 +166,10 @@ def test_scheduler_rounds_equal_plain_output(engine, factory, choose):
         return orig(x, *args, **kw)
 
     a.draft_steps = spy
-    rates, weights, orig_choose = [], [], planner_mod.choose
+    rates, orig_choose = [], planner_mod.choose
 
     def choose_spy(views, costs, **kw):
         rates.append((len(views), kw.get("rate")))
-        weights.append([v.weight for v in views])
         return orig_choose(views, costs, **kw)
 
     planner_mod.choose = choose_spy
@@ -200,8 +199,3 @@ def test_scheduler_rounds_equal_plain_output(engine, factory, choose):
         s = later[-1][0]
         t, sec, n, _ = sched.planner._rates[s]
         assert n >= RATE_MIN_ROUNDS and sched.planner.rate_for(s) == pytest.approx(t / sec)
-        # each request's tokens are weighed by the rate its own rounds made (fair shares): once measured,
-        # several slots' weights differ, and they average 1
-        shared = [w for w in weights if len(w) > 1]
-        assert shared and all(sum(w) / len(w) == pytest.approx(1.0) for w in shared)
-        assert any(max(w) - min(w) > 0.01 for w in shared), shared

@@ -93,3 +93,35 @@ def test_the_oracle_is_refused_with_several_prompts_in_one_line():
     with pytest.raises(SystemExit) as got:
         sim.sim(sim.argparse.Namespace(variant="oracle", mix=True, truth_cells=0))
     assert "--mix" in str(got.value)
+
+
+def test_fair_share_weights_favour_the_slow_request_and_average_one():
+    """(mean rate / own rate) ** fairness over the measured slots, scaled to a mean of 1; an unmeasured
+    slot counts as the mean; one slot, nothing measured or fairness 0: all 1."""
+    w = sim.slot_weights([100.0, 300.0], 1.0)
+    assert w == pytest.approx([1.5, 0.5])  # (200/100, 200/300) = (2, 2/3), mean 4/3
+    assert sum(sim.slot_weights([50.0, None, 200.0], 1.0)) == pytest.approx(3.0)
+    a, b, c = sim.slot_weights([50.0, None, 200.0], 1.0)
+    assert a > b > c and b == pytest.approx(1.0 / ((2.5 + 1.0 + 0.625) / 3))
+    assert sim.slot_weights([100.0], 1.0) == [1.0] and sim.slot_weights([None, None], 1.0) == [1.0, 1.0]
+    assert sim.slot_weights([100.0, 300.0], 0.0) == [1.0, 1.0]
+    half = [2 ** 0.5, (2 / 3) ** 0.5]
+    assert sim.slot_weights([100.0, 300.0], 0.5) == pytest.approx([x * 2 / sum(half) for x in half])
+
+
+@pytest.mark.parametrize("pf", [0.0, 1.0])
+def test_a_mixed_phase_chooses_its_lengths_with_and_without_fair_shares(pf):
+    """Two users on different prompts (one whose drafts are always accepted, one whose drafts never
+    are), lengths chosen per round: the replay plans rounds either way, and with the fair-shares
+    variant each request's own rate is tracked (the accepted one's higher)."""
+    truth = sim.Truth(COSTS)
+    good = {str(g): [3, 3, "draft-mtp"] for g in range(1, 47)}
+    bad = {str(g): [3, 0, "draft-mtp"] for g in range(1, 47)}
+    pl = sim.SimPlanner(truth)
+    pl.pf = pf
+    seconds, tokens, chosen = sim.simulate_phase(pl, [good, bad], 2, "draft-mtp", 3, True, 48,
+                                                 random.Random(0), 0.0)
+    assert tokens == 2 * 47 and seconds > 0
+    assert sum(c for n, c in chosen.items() if n > 0) > 0, chosen
+    rates = {s: r[0] / r[1] for s, r in pl.slot_rate.items()}
+    assert len(rates) == 2 and rates[0] > rates[1]

@@ -50,8 +50,7 @@ def test_slots_props_and_log_show_the_choice(server):
     slots = httpx.get(server.url + "/slots", timeout=30).json()
     shown = [s for s in slots if s["draft_n_chosen"] is not None]
     assert shown and all(isinstance(s["draft_n_chosen"], int) for s in shown)
-    assert all({"n", "source", "acceptance", "weight"} <= set(s["draft_choice"]) for s in shown)
-    assert all(s["draft_choice"]["weight"] > 0 for s in shown)
+    assert all({"n", "source", "acceptance"} <= set(s["draft_choice"]) for s in shown)
     props = httpx.get(server.url + "/props", timeout=30).json()
     assert props["speculative"]["n_chosen"] is True
     assert "draft n chosen: " in server.log()

@@ -5,7 +5,7 @@ makes every slot's round wait for the wider forward. So the draft length n of ea
 round for the batch, not per request: :func:`choose` picks ``n_i`` (0 included) for every slot to
 maximise the batch's expected tokens per second,
 
-    tokens(n) = sum_i w_i E_i(n_i),   E_i(n) = 1 + sum_{j=1..n} prod_{k<=j} a_{i,k}
+    tokens(n) = sum_i E_i(n_i),   E_i(n) = 1 + sum_{j=1..n} prod_{k<=j} a_{i,k}
     seconds(n) = verify(S, S + sum_i n_i) + drafting(n) + overhead(S, any model drafts)
 
 Over many rounds, not one: the server's tokens per second is the sum of the rounds' tokens over the
@@ -18,9 +18,7 @@ ratio would have them. Replayed on held-out prompts (``benchmarks/chooser_sim.py
 the old criterion) this lifted the default list drafter from 0.976 / 0.980 / 0.976 of the best fixed
 length at 2 / 4 / 8 users to 0.977 / 0.990 / 0.982 (docs/server.md, "Weighing a round's seconds").
 
-where ``w_i`` weighs slot i's tokens by how its request fares beside the others (:func:`slot_weights`:
-proportional fairness, so a slot that drafts well does not draft long at the expense of one that waits
-on its wide rounds), ``a_{i,k}`` is slot i's chance of gaining draft position k given it gained k-1
+where ``a_{i,k}`` is slot i's chance of gaining draft position k given it gained k-1
 (:class:`Acceptance`: a position its drafter was asked for but did not draft, stopped by its p-min,
 counts as not gained), ``verify(S, R)`` the seconds of a round of S slots and R rows (forward,
 verification and stop checks; :class:`CostModel`) and ``drafting`` the draft steps it needs: a
@@ -108,34 +106,6 @@ LINE_CELL_DECAY = 0.8
 REQUEST_DECAY = 0.9
 """Decay per round of a request's own counts (:class:`Acceptance`'s ``decay``): its estimates follow
 the text's current stretch (a list, then prose) within ~10 rounds."""
-
-
-FAIRNESS = 1.0
-"""Exponent of a slot's weight in the choice, ``(mean rate / own rate) ** FAIRNESS`` (normalised to a
-mean of 1 over the round's slots; :func:`slot_weights`): a request whose recent rounds made fewer tokens
-per second than the others' counts its tokens for more, so the fast ones' drafts are weighed against
-the seconds they cost everyone. 1 is proportional fairness (each round maximises the sum of the logs
-of the requests' rates to first order; Kelly, Maulloo & Tan, "Rate control for communication networks",
-1998); 0 the batch's tokens alone, where a slot that drafts badly waits on its neighbours' wide rounds
-and the last request of a batch ends late. Replayed with users on different prompts
-(``benchmarks/chooser_sim.py --mix``, 16 seeds): the default list drafter from 0.964 / 0.963 of the best
-fixed configuration of either drafter at 4 / 8 users to 0.967 / 0.973 (docs/server.md, "Fair shares")."""
-
-SLOT_RATE_DECAY = 0.95
-"""Decay per round of a request's own tokens and seconds behind its rate in :func:`slot_weights`."""
-
-
-def slot_weights(rates: Sequence[float | None], fairness: float = FAIRNESS) -> list[float]:
-    """Each slot's :attr:`SlotView.weight` from its request's recent tokens per second (None: not yet
-    measured, weighed as the mean): ``(mean / rate_i) ** fairness`` over the measured slots, scaled to a
-    mean of 1. All 1 with fewer than two slots, nothing measured, or ``fairness`` 0."""
-    known = [r for r in rates if r is not None and r > 0]
-    if len(rates) < 2 or not known or not fairness:
-        return [1.0] * len(rates)
-    mean = sum(known) / len(known)
-    w = [(mean / r) ** fairness if r is not None and r > 0 else 1.0 for r in rates]
-    m = sum(w) / len(w)
-    return [x / m for x in w]
 
 
 def explore_width(slots: int) -> float:
@@ -231,7 +201,10 @@ class SlotView:
             by their expected number.
         plain: the acceptance estimates without an exploration bound (``rates`` may carry one, see
             :meth:`Acceptance.rates`): the choice's reported tokens use these; empty: ``rates``.
-        weight: what one of this slot's tokens is worth in the choice against the others' (1: alike).
+        weight: what one of this slot's tokens is worth in the choice against the others' (each slot's
+            expected tokens are multiplied by it; the reported tokens are not). The server leaves it 1;
+            ``benchmarks/chooser_sim.py``'s variant ``pf`` replays weights that favour slow requests
+            (proportional fairness; docs/server.md, "Fair shares: tried, not kept").
     """
 
     cap: int

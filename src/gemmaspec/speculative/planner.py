@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from .batch import Preview, draft_batch, preview
-from .chooser import (PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST, REQUEST_DECAY, SLOT_RATE_DECAY,
-                      Acceptance, Choice, CostModel, SlotView, choose, explore_width, slot_weights)
+from .chooser import (PRIOR_WEIGHT, RATE_DECAY, RATE_MIN_ROUNDS, RATE_NEW_REQUEST, REQUEST_DECAY, Acceptance, Choice,
+                      CostModel, SlotView, choose, explore_width)
 from .drafters import Draft, NoDrafter
 from .options import MAX_DRAFT_TOKENS
 
@@ -83,7 +83,6 @@ class RoundPlanner:
         self._step_s = 0.0  # this round's timed draft steps (seconds)
         self._model_drafted = False  # some slot of this round drafted with a model
         self._rates: dict[int, list[float]] = {}  # slots -> decayed [tokens, seconds, rounds, last round]
-        self._slot_rates: dict[int, list[float]] = {}  # slot key -> its request's decayed [tokens, seconds]
 
     @property
     def cost(self) -> CostModel:
@@ -120,7 +119,6 @@ class RoundPlanner:
         instead of inheriting one from another kind of text)."""
         self.per_slot[key] = {}
         self.last.pop(key, None)
-        self._slot_rates.pop(key, None)
         for got in self._rates.values():
             got[:3] = [v * RATE_NEW_REQUEST for v in got[:3]]
 
@@ -153,9 +151,6 @@ class RoundPlanner:
             t = time.perf_counter()
             cost = self.cost  # calibrated on first use (about a second, once): not this round's planning
             self._t0 += time.perf_counter() - t
-            own = [self._slot_rates.get(p.key) for p in live]
-            for p, w in zip(live, slot_weights([r[0] / r[1] if r and r[1] > 0 else None for r in own])):
-                p.view.weight = w
             self._choice = choose([p.view for p in live], cost, rate=self.rate_for(len(live)))
             for p, n in zip(live, self._choice.ns):
                 p.n = n
@@ -182,8 +177,7 @@ class RoundPlanner:
             if p.chose:
                 p.state.stats.spec.record_choice(p.n)
                 self.last[p.key] = {"n": p.n, "source": p.preview.source,
-                                    "acceptance": [round(a, 3) for a in p.view.rates[:p.n]],
-                                    "weight": round(p.view.weight, 3)}
+                                    "acceptance": [round(a, 3) for a in p.view.rates[:p.n]]}
         self._plans = live
         return results
 
@@ -257,14 +251,10 @@ class RoundPlanner:
             for name, acc in self.per_slot.get(p.key, {}).items():
                 if name not in updated:
                     acc.tick()
-        spent = (self._t_drafted - self._t0) + seconds
-        for p in ran:  # each request's own rate: the tokens it kept over the rounds it waited on
-            got = self._slot_rates.setdefault(p.key, [0.0, 0.0])
-            got[0] = SLOT_RATE_DECAY * got[0] + p.state.stats.generated_tokens - p.generated
-            got[1] = SLOT_RATE_DECAY * got[1] + spent
         if choosing:
             t = self.totals
             kept = sum(p.state.stats.generated_tokens - p.generated for p in ran)
+            spent = (self._t_drafted - self._t0) + seconds
             t.rounds += 1
             t.predicted_tokens += self._choice.tokens
             t.predicted_seconds += self._choice.seconds
