@@ -441,7 +441,7 @@ class _LineCost(CostModel):
 
 VARIANT = dict(w=PRIOR_WEIGHT, d=REQUEST_DECAY, pw=2.0, pd=0.99, e=EXPLORE, ea=1, es=EXPLORE_SLOTS, tol=0.01, line=0,
                lam=RATE_DECAY, lmin=RATE_MIN_ROUNDS, mono=1, fit=1, ld=LINE_DECAY, lc=LINE_CLIP, lp=LINE_PRIOR,
-               lk=LINE_CELL_PRIOR, lall=0, lnew=RATE_NEW_REQUEST, pf=0.0, pfd=0.95)
+               lk=LINE_CELL_PRIOR, lall=0, lnew=RATE_NEW_REQUEST, pf=0.0, pfd=0.95, rf=0)
 """The shipped planner's parameters (``speculative/chooser.py``, ``planner.py``); ``before`` is
 ``w=1+ea=0+es=0+e=1+d=0.95+lam=0``, the planner before the replays; ``explore`` (``e=1+d=0.95+lam=0``) the
 one tuned on them before the layers' int8 products made verify rows cheap; ``ratio`` (``lam=0``) each
@@ -452,7 +452,8 @@ decay, clip, slope prior and per-width offset prior, ``LINE_*`` in speculative/c
 measured over every round, not only the planned ones; lnew: the rates' weight kept when a request starts
 (1: the planner before RATE_NEW_REQUEST); pf: each slot's tokens weighed by :func:`slot_weights` with this
 exponent (proportional fairness at 1; 0, the shipped planner: every slot's tokens alike), pfd: the decay
-per round of a request's own rate behind the weights."""
+per round of a request's own rate behind the weights; rf=1: the rate floored at the round's own ratio
+without drafting (``RATE_FLOOR``)."""
 
 
 def _variant(name: str):
@@ -549,7 +550,7 @@ def sim(args) -> None:
             pl = SimPlanner(truth, make, cost)
             pl.lam_decay, pl.lam_min, pl.rate_all, pl.rate_new = v["lam"], v["lmin"], bool(v["lall"]), v["lnew"]
             pl.pf, pl.pf_decay = v["pf"], v["pfd"]
-            chooser = lambda views, c, r=None: choose(views, c, tolerance=v["tol"], rate=r)  # noqa: E731
+            chooser = lambda views, c, r=None: choose(views, c, tolerance=v["tol"], rate=r, floor=bool(v["rf"]))  # noqa: E731
             for kind in kinds:
                 pos = tr["kinds"][kind][st]["positions"]
                 oracle = _true_rates(pos, st) if args.variant == "oracle" else None

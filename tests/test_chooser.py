@@ -481,3 +481,15 @@ def test_a_slot_whose_tokens_weigh_less_drafts_less():
     fast.weight, idle.weight = 0.5, 1.5
     got = choose([fast, idle], costs, rate=150.0)
     assert got.ns == [0, 0] and got.tokens == pytest.approx(2.0)  # the reported tokens are not weighted
+
+
+def test_the_rate_is_no_less_than_the_rounds_own_without_drafting():
+    """A measured rate of 50 tokens/s where this round without drafting makes 100 (1 token in 10 ms): a
+    first draft token worth 0.25 for 3 ms (83 tokens/s) pays against 50 but would pull the server below
+    what plain rounds make; with the floor it is not drafted. Above the floor the rate is used as given."""
+    costs = FakeCosts(base=0.010, per_row=0.003)
+    poor = [SlotView(3, [0.25, 0.25, 0.25])]
+    assert choose(poor, costs, rate=50.0, floor=False).ns == [1]
+    assert choose(poor, costs, rate=50.0, floor=True).ns == [0]
+    good = [SlotView(3, [0.9, 0.5, 0.5])]
+    assert choose(good, costs, rate=120.0, floor=True).ns == choose(good, costs, rate=120.0, floor=False).ns == [2]

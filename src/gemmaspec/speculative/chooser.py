@@ -108,6 +108,15 @@ REQUEST_DECAY = 0.9
 the text's current stretch (a list, then prose) within ~10 rounds."""
 
 
+RATE_FLOOR = False
+"""Whether :func:`choose` weighs a round's seconds at no less than the rate of the same round without
+drafting (the batch's plain tokens over its predicted seconds): the best rate cannot be below what
+plain rounds make. Off: in two alternating bench pairs (the assistant alone at 4 and 8 users) it moved
+nothing beyond noise, and replays put it 0.002-0.007 under the shipped choice at 4-8 users (it binds
+where the measured rate dips as requests start, and cuts their first drafts); ``benchmarks/
+chooser_sim.py``'s variant ``rf=1`` replays it (docs/server.md, "A floor under the rate")."""
+
+
 def explore_width(slots: int) -> float:
     """The exploration bound's width for a round of ``slots`` slots (see :data:`EXPLORE_SLOTS`)."""
     return EXPLORE / max(1, slots) ** EXPLORE_SLOTS
@@ -249,7 +258,8 @@ class Costs(Protocol):
     # model); :func:`choose` adds it when the cost model has it (:meth:`CostModel.overhead_seconds`).
 
 
-def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01, rate: float | None = None) -> Choice:
+def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01, rate: float | None = None,
+           floor: bool | None = None) -> Choice:
     """Each slot's draft length for this round: the ``n`` that maximises expected tokens per second
     of the whole batch (with ``rate``: ``tokens - rate * seconds``; see the module docstring),
     searched from the best uniform length by
@@ -264,6 +274,8 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01, rat
         rate: tokens per second the server makes of a second at this load (measured), or None: then
             the round's own ratio is maximised; with it, ``tokens - rate * seconds`` is, and a change
             must add more than ``tolerance * rate`` times the round's seconds.
+        floor: raise ``rate`` to this round's ratio without drafting where it is below (None:
+            :data:`RATE_FLOOR`).
 
     Returns:
         :class:`Choice` with ``ns[i]`` in ``{0} ∪ [n_min_i, cap_i]`` (``fixed_i`` for a fixed slot,
@@ -338,6 +350,12 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01, rat
         return k == 0 or k >= slots[i].n_min
 
     best = [f if f is not None else 0 for f in fixed]
+    if rate is not None and (RATE_FLOOR if floor is None else floor):
+        # what a second makes without drafting bounds the best rate from below (plain rounds of this
+        # batch): a measured rate under it, pulled down by rounds that drafted at a loss, would
+        # otherwise make more such drafts look worth their seconds
+        plain = sum(g[k] for g, k in zip(gain, best)) / seconds(best)
+        rate = max(rate, plain)
     best_score = score(best)
     for k in range(1, max(caps) + 1):  # the best uniform length first: the search's starting point
         trial = [f if f is not None else (min(k, c) if allowed(i, min(k, c)) else 0)
