@@ -109,12 +109,8 @@ the text's current stretch (a list, then prose) within ~10 rounds."""
 
 
 RATE_FLOOR = False
-"""Whether :func:`choose` weighs a round's seconds at no less than the rate of the same round without
-drafting (the batch's plain tokens over its predicted seconds): the best rate cannot be below what
-plain rounds make. Off: in two alternating bench pairs (the assistant alone at 4 and 8 users) it moved
-nothing beyond noise, and replays put it 0.002-0.007 under the shipped choice at 4-8 users (it binds
-where the measured rate dips as requests start, and cuts their first drafts); ``benchmarks/
-chooser_sim.py``'s variant ``rf=1`` replays it (docs/server.md, "A floor under the rate")."""
+"""Whether :func:`choose` floors the rate at the round's own ratio without drafting. Off: within noise in
+the bench, 0.002-0.007 under in replays (variant ``rf=1``; docs/server.md, "A floor under the rate")."""
 
 
 def explore_width(slots: int) -> float:
@@ -210,10 +206,8 @@ class SlotView:
             by their expected number.
         plain: the acceptance estimates without an exploration bound (``rates`` may carry one, see
             :meth:`Acceptance.rates`): the choice's reported tokens use these; empty: ``rates``.
-        weight: what one of this slot's tokens is worth in the choice against the others' (each slot's
-            expected tokens are multiplied by it; the reported tokens are not). The server leaves it 1;
-            ``benchmarks/chooser_sim.py``'s variant ``pf`` replays weights that favour slow requests
-            (proportional fairness; docs/server.md, "Fair shares: tried, not kept").
+        weight: multiplies the slot's expected tokens in the choice (not in the reported ones); the
+            server leaves it 1 (replay variant ``pf``; docs/server.md, "Fair shares: tried, not kept").
     """
 
     cap: int
@@ -334,10 +328,8 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01, rat
                 total += at(step[src], sum(reach[i][j - 1] for i in rows if ns[i] >= j))
         return max(total, 1e-9)
 
-    weights = [s.weight for s in slots]
-
     def score(ns) -> tuple[float, float, float]:
-        t = sum(w * g[k] for w, g, k in zip(weights, gain, ns))
+        t = sum(v.weight * g[k] for v, g, k in zip(slots, gain, ns))
         s = seconds(ns)
         return (t / s if rate is None else t - rate * s), t, s
 
@@ -350,12 +342,8 @@ def choose(slots: Sequence[SlotView], costs: Costs, tolerance: float = 0.01, rat
         return k == 0 or k >= slots[i].n_min
 
     best = [f if f is not None else 0 for f in fixed]
-    if rate is not None and (RATE_FLOOR if floor is None else floor):
-        # what a second makes without drafting bounds the best rate from below (plain rounds of this
-        # batch): a measured rate under it, pulled down by rounds that drafted at a loss, would
-        # otherwise make more such drafts look worth their seconds
-        plain = sum(g[k] for g, k in zip(gain, best)) / seconds(best)
-        rate = max(rate, plain)
+    if rate is not None and (RATE_FLOOR if floor is None else floor):  # the best rate >= a plain round's
+        rate = max(rate, sum(g[k] for g, k in zip(gain, best)) / seconds(best))
     best_score = score(best)
     for k in range(1, max(caps) + 1):  # the best uniform length first: the search's starting point
         trial = [f if f is not None else (min(k, c) if allowed(i, min(k, c)) else 0)
