@@ -111,6 +111,9 @@ def main() -> None:
         if a.chosen not in cfg:
             raise SystemExit(f"{a.results} has no configuration {a.chosen!r}: it has {', '.join(sorted(cfg))}")
         fixed = [c for c in cfg if _is_fixed(c)]
+        if "none" not in fixed or len(fixed) < 2:
+            raise SystemExit(f"{a.results}: {kind} at {users} user(s) needs no speculation and a fixed draft length "
+                             f"to compare with (--spec-draft-n-max 0,1,...,chooseN); it has {', '.join(sorted(cfg))}")
         reps = sorted(cfg[a.chosen])
         if len(reps) < 2:
             raise SystemExit("the held-out comparison needs at least 2 repeats (--repeats in gemmaspec bench)")

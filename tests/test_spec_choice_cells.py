@@ -50,3 +50,18 @@ def test_the_floor_rises_with_the_noise_and_the_shared_shift_cancels_in_ratios()
     assert quiet["medians"] < 0.5 and noisy["medians"] > 2.0
     assert shared["medians"] < 0.5
     assert noisy["p_none_medians"] < quiet["p_none_medians"]
+
+
+def test_a_run_without_fixed_lengths_to_compare_is_refused_in_words(tmp_path):
+    """Only no speculation and the chosen lengths: a clear message and exit 1, no traceback."""
+    import json
+    import subprocess
+
+    phases = [{"kind": "k", "users": 1, "config": c, "repeat": r, "wall_s": 1.0,
+               "requests": [{"completion_tokens": 10}]} for c in ("none", CHOSEN) for r in (0, 1)]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"phases": phases}))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "spec_choice_cells.py"
+    got = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True)
+    assert got.returncode == 1 and "Traceback" not in got.stderr
+    assert "needs no speculation and a fixed draft length" in got.stderr
