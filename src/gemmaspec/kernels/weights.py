@@ -14,6 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import build
 from .base import BlockWeight
+from .outbuf import output
 from .build import _FMT, _I8X8, _R8, _R8_ISAS, _X8, FMT_I8, FMT_I8X8, STORED_TYPES, load_library, threads
 from .regroup import _bg_ready, _release, sync_layouts
 
@@ -99,7 +100,7 @@ class CPUBlockWeight(BlockWeight):
                 x2 = x2.float().contiguous()
             m, q8 = x2.shape[0], self._q8()
             if (m <= SMALL_M or q8) and args[q8] is not None:
-                y = torch.empty(m, n, dtype=torch.float32)
+                y = output(m, n)  # a wide round's logits on kept memory (outbuf.py)
                 fns[q8](*args[q8], k, x2.data_ptr(), None, m, y.data_ptr(), threads())
                 return y.view(*x.shape[:-1], n)
         return self._call(x)
@@ -115,7 +116,7 @@ class CPUBlockWeight(BlockWeight):
         x2 = x.reshape(-1, k).float().contiguous()
         if x2.shape[0] > SMALL_M and not self._q8():
             return self._tiled(lib, x2).view(*lead, n)
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        y = output(x2.shape[0], n)
         self._small(lib, x2, y)
         args = self.__dict__.get("_kernel_args"), self.__dict__.get("_kernel_args_q8")
         self._plan = ((lib.gs_qmatmul_multi, lib.gs_qmatmul_multi_q8), n, k,
