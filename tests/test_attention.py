@@ -122,3 +122,42 @@ def test_the_model_path_uses_the_kernel_and_matches_torch(lib, monkeypatch):
     assert calls and torch.equal(got, _run(lib, q, k, v, mask))
     monkeypatch.setattr(base, "_attention_c", lambda *a: None)
     torch.testing.assert_close(got, base.attention(q, k, v, mask, 1.0), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sequences_in_one_call_get_their_bits_alone(lib, threads, monkeypatch):
+    """``base.attention_seqs`` (a batched forward's layer: each sequence against its own cache, one C call)
+    gives every sequence's rows the bits ``base.attention`` gives them alone: caches of different lengths,
+    masked and not, 1 to 16 rows, across the thread pool; a sequence the C path does not take (17 rows)
+    sends the whole call back to one attention per sequence, with the same bits."""
+    monkeypatch.setattr(base, "threads", lambda: threads)
+    shapes = [(1, 200, True), (4, 13, True), (16, 700, False), (2, 1030, True), (1, 1, None)]
+    qs, kvs = [], []
+    for i, (t, L, masked) in enumerate(shapes):
+        q, k, v = _inputs(t, 4, 1, 256, L, seed=10 + i)
+        mask = (torch.arange(L)[None] <= torch.arange(L - t, L)[:, None]) if masked else None
+        if masked is None:
+            mask = torch.ones(t, L, dtype=torch.bool)
+        qs.append(q)
+        kvs.append((k, v, mask))
+    q = torch.cat(qs)
+    bounds = [0]
+    for x in qs:
+        bounds.append(bounds[-1] + x.shape[0])
+    calls = []
+    real = lib.gs_attention_seqs
+    monkeypatch.setattr(base, "load_library", lambda: type("L", (), {
+        "gs_attention_seqs": lambda self, *a: calls.append(1) or real(*a),
+        "gs_attention_mt": lib.gs_attention_mt})())
+    got = base.attention_seqs(q, bounds, kvs, 0.0625)
+    assert calls, "the C path was not taken"
+    for j, (k, v, mask) in enumerate(kvs):
+        alone = base.attention(qs[j], k, v, mask, 0.0625)
+        assert torch.equal(got[bounds[j]:bounds[j + 1]], alone), j
+    # a prefill-sized sequence among them: one attention per sequence (the C path chunks it alone)
+    q17, k17, v17 = _inputs(17, 4, 1, 256, 40, seed=99)
+    calls.clear()
+    got = base.attention_seqs(torch.cat([qs[0], q17]), [0, 1, 18], [kvs[0], (k17, v17, None)], 0.0625)
+    assert not calls
+    assert torch.equal(got[:1], base.attention(qs[0], *kvs[0], 0.0625))
+    assert torch.equal(got[1:], base.attention(q17, k17, v17, None, 0.0625))

@@ -11,7 +11,8 @@
  * verification needs). -ffp-contract=off: no multiply-add is fused unless written as one.
  *
  *   gs_attention_mt grouped-query attention of t query rows over L keys (softmax(q k^T * scale) v) in
- *                   blocks of keys, on the thread pool; gs_attention: the same on one thread.
+ *                   blocks of keys, on the thread pool; gs_attention: the same on one thread;
+ *                   gs_attention_seqs: several sequences' gs_attention in one call, across threads.
  *   gs_gelu_mul     gelu_tanh(gate) * up for a fused [gate | up] projection (Gemma's MLP).
  *   gs_add_rms_norm x + rms_norm(a) * w (Gemma's post-attention / post-MLP norm and residual add).
  *
@@ -309,6 +310,39 @@ int gs_attention_mt(const float *q, long ldq, int t, int h, int hkv, int d, cons
 int gs_attention(const float *q, long ldq, int t, int h, int hkv, int d, const float *k, const float *v, int L,
                  const uint8_t *mask, float scale, float softcap, float *out) {
     return gs_attention_mt(q, ldq, t, h, hkv, d, k, v, L, mask, scale, softcap, out, 1);
+}
+
+typedef struct {
+    const float *const *q;
+    long ldq;
+    const int *t, *L;
+    int h, hkv, d;
+    const float *const *k, *const *v;
+    const uint8_t *const *mask;
+    float scale, softcap;
+    float *const *out;
+    _Atomic int failed;
+} at_seqs_job;
+
+static void at_seqs_task(void *ctx, int s) {
+    at_seqs_job *j = (at_seqs_job *)ctx;
+    if (gs_attention(j->q[s], j->ldq, j->t[s], j->h, j->hkv, j->d, j->k[s], j->v[s], j->L[s], j->mask[s], j->scale,
+                     j->softcap, j->out[s]) != 0)
+        atomic_store(&j->failed, 1);
+}
+
+/* gs_attention for nseq sequences in one call (a batched forward's layer: each sequence's rows against
+ * its own cache), the sequences spread over up to nthreads threads, each on one thread: as the bits of
+ * gs_attention_mt depend neither on the thread count nor on other rows, every sequence gets the bits
+ * of a call of its own. Sequence s: query rows q[s] (row stride ldq), t[s] rows, keys and values k[s],
+ * v[s] [L[s], hkv, d], mask[s] uint8 [t[s], L[s]] or NULL, output out[s] [t[s], h, d]. Returns 0, or -1
+ * when a sequence's call failed (the caller then runs them one by one). */
+int gs_attention_seqs(int nseq, const float *const *q, long ldq, const int *t, int h, int hkv, int d,
+                      const float *const *k, const float *const *v, const int *L, const uint8_t *const *mask,
+                      float scale, float softcap, float *const *out, int nthreads) {
+    at_seqs_job j = {q, ldq, t, L, h, hkv, d, k, v, mask, scale, softcap, out, 0};
+    gs_parallel(nseq, nthreads, at_seqs_task, &j);
+    return atomic_load(&j.failed) ? -1 : 0;
 }
 
 /* out [n, f] = gelu_tanh(x[:, :f]) * x[:, f:2f] for x [n, ldx >= 2f]:

@@ -22,8 +22,8 @@ from .config import Gemma3Config
 from .decode_step import run_layers
 from ..kernels import SMALL_M, BlockWeight, StackedWeight
 from ..kv_cache import KVCache
-from .base import (ForwardOutput, add_rms_norm, apply_rope, attention, gelu_mul, linear, norm_rope, open_images,
-                   rms_norm, rope_cos_sin, rope_span, step_threads)
+from .base import (ForwardOutput, add_rms_norm, apply_rope, attention, attention_seqs, gelu_mul, linear, norm_rope,
+                   open_images, rms_norm, rope_cos_sin, rope_span, step_threads)
 
 
 def _fuse(parts):
@@ -256,13 +256,15 @@ class Gemma3Model:
                 q = apply_rope(rms_norm(q.reshape(n, h_q, d), layer.q_norm, eps), cos, sin)
                 k = apply_rope(rms_norm(k.reshape(n, h_kv, d), layer.k_norm, eps), cos, sin)
                 v = v.reshape(n, h_kv, d)
-            parts = []
+            kvs = []
             for j, (_, cache) in enumerate(seqs):
                 a0, a1 = bounds[j], bounds[j + 1]
                 plan = plans[j][layer.sliding]
-                keys, values = cache.layers[li].update(plan, starts[j], k[a0:a1], v[a0:a1])
-                parts.append(attention(q[a0:a1], keys, values, plan.mask, self.attn_scale))
-            a = parts[0] if single else torch.cat(parts)
+                kvs.append((*cache.layers[li].update(plan, starts[j], k[a0:a1], v[a0:a1]), plan.mask))
+            if single:
+                a = attention(q, *kvs[0], self.attn_scale)
+            else:  # one call for every sequence, each against its own cache (bits as alone)
+                a = attention_seqs(q, bounds, kvs, self.attn_scale)
             a = lin(layer.o, a.reshape(n, h_q * d))
             x = add_rms_norm(x, a, layer.post_attn_norm, eps)
             h = rms_norm(x, layer.ffn_norm, eps)
