@@ -14,8 +14,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import build
 from .base import BlockWeight
-from .outbuf import output
 from .build import _FMT, _I8X8, _R8, _R8_ISAS, _X8, FMT_I8, FMT_I8X8, STORED_TYPES, load_library, threads
+from .outbuf import output
 from .regroup import _bg_ready, _release, sync_layouts
 
 SMALL_M = 16  # at most this many rows go through the C kernel
