@@ -4,10 +4,11 @@ glibc serves an allocation of 32 MiB or more (its dynamic mmap threshold's ceili
 mapping and unmaps it when freed, so a product that returns that much pays a page fault per 4 KiB
 of it every time. The head of a 262,144-token vocabulary returns 1 MiB of float32 logits per row:
 every verify round of 32 or more rows (8 slots drafting 3 tokens each) was such a product. On a
-2-core AMD EPYC (Zen 4) the Gemma 3 270M head and an argmax per row took 48.3 ms over 32 rows where 24
-rows took 28.2, and 32.2 ms on a kept buffer (48 rows: 70.2 against 45.8 ms; medians of 40,
-alternating; docs/speed.md, "Wide rounds"). Raising glibc's thresholds instead (``mallopt``) helped
-only part of the time: small allocations made between two rounds split the freed block.
+2-core AMD EPYC (Zen 4) the Gemma 3 270M head and an argmax per row took 43.5 ms over 32 rows where 24
+rows took 21.2, and 28.0 ms on a kept buffer (48 rows: 67.7 against 49.3 ms; medians of 40,
+alternating; ``benchmarks/wide_logits.py``, docs/speed.md, "Wide rounds"). Raising glibc's thresholds
+instead (``mallopt``) helped only part of the time: small allocations made between two rounds split
+the freed block.
 
 :func:`output` hands out a view of a kept buffer when nothing else still uses it (PyTorch's count of
 the buffer's storage users: a caller that keeps the logits, or any view of them, keeps the buffer

@@ -224,25 +224,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, h, d)
 
 
+def _c_query_ok(q: torch.Tensor) -> bool:
+    """Whether query rows q [T, H, D] suit ``gs_attention`` (CPU float32, D a multiple of 16, heads
+    packed in a row, no gradient wanted)."""
+    d = q.shape[2]
+    return (q.device.type == "cpu" and d % 16 == 0 and q.dtype == torch.float32 and q.stride(2) == 1
+            and q.stride(1) == d and not (torch.is_grad_enabled() and q.requires_grad))
+
+
+def _c_keys_ok(t: int, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether t query rows against keys k, values v [L, Hkv, D] and ``mask`` suit ``gs_attention``:
+    1..``SMALL_M`` rows, contiguous float32 keys and values of one shape, a bool [t, L] mask or none."""
+    return (0 < t <= SMALL_M and k.dtype == torch.float32 and v.dtype == torch.float32 and k.is_contiguous()
+            and v.is_contiguous() and v.shape == k.shape
+            and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+            and (mask is None or (mask.dtype == torch.bool and tuple(mask.shape) == (t, k.shape[0]))))
+
+
 def _attention_c(q, k, v, mask, scale, softcap):
     """:func:`attention` through ``gs_attention``, or None where that does not apply."""
     t, h, d = q.shape
-    if (t > SMALL_M or q.device.type != "cpu" or d % 16 or q.dtype != torch.float32 or k.dtype != torch.float32
-            or v.dtype != torch.float32 or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                         or v.requires_grad))):
+    if not _c_query_ok(q) or not _c_keys_ok(t, k, v, mask):
         return None
     lib = load_library()
     if lib is None:
         return None
-    hkv, L = k.shape[1], k.shape[0]
-    if q.stride(2) != 1 or q.stride(1) != d or not k.is_contiguous() or not v.is_contiguous() or v.shape != k.shape:
-        return None
-    if mask is not None:
-        if mask.dtype != torch.bool or tuple(mask.shape) != (t, L):
-            return None
-        mask = mask.contiguous()
+    mask = None if mask is None else mask.contiguous()
     out = torch.empty(t, h, d, dtype=torch.float32)
-    rc = lib.gs_attention_mt(q.data_ptr(), q.stride(0), t, h, hkv, d, k.data_ptr(), v.data_ptr(), L,
+    rc = lib.gs_attention_mt(q.data_ptr(), q.stride(0), t, h, k.shape[1], d, k.data_ptr(), v.data_ptr(), k.shape[0],
                              None if mask is None else mask.data_ptr(), scale, softcap or 0.0, out.data_ptr(),
                              threads())
     return out if rc == 0 else None
@@ -274,36 +283,23 @@ def _attention_seqs_c(q, bounds, kvs, scale):
     """:func:`attention_seqs` in one ``gs_attention_seqs`` call, or None where a sequence would not take
     the C path alone (:func:`_attention_c`'s conditions)."""
     n, h, d = q.shape
-    if (q.device.type != "cpu" or d % 16 or q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d
-            or torch.is_grad_enabled() and q.requires_grad):
+    hkv = kvs[0][0].shape[1]
+    if not _c_query_ok(q) or any(k.shape[1] != hkv or not _c_keys_ok(bounds[j + 1] - bounds[j], k, v, mask)
+                                 for j, (k, v, mask) in enumerate(kvs)):
         return None
     lib = load_library()
     if lib is None:
         return None
-    hkv = kvs[0][0].shape[1]
-    ts, ls, ks, vs, ms = [], [], [], [], []
-    for j, (k, v, mask) in enumerate(kvs):
-        t = bounds[j + 1] - bounds[j]
-        if (not 0 < t <= SMALL_M or k.dtype != torch.float32 or v.dtype != torch.float32 or k.shape[1] != hkv
-                or not k.is_contiguous() or not v.is_contiguous() or v.shape != k.shape
-                or torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
-            return None
-        if mask is not None:
-            if mask.dtype != torch.bool or tuple(mask.shape) != (t, k.shape[0]) or not mask.is_contiguous():
-                return None
-            ms.append(mask.data_ptr())
-        else:
-            ms.append(None)
-        ts.append(t)
-        ls.append(k.shape[0])
-        ks.append(k.data_ptr())
-        vs.append(v.data_ptr())
+    masks = [None if mask is None else mask.contiguous() for _, _, mask in kvs]  # alive through the call
     out = torch.empty(n, h, d, dtype=torch.float32)
     s, ld, row = len(kvs), q.stride(0), h * d
     P, I = ctypes.c_void_p * s, ctypes.c_int * s
     base_q, base_o = q.data_ptr(), out.data_ptr()
-    rc = lib.gs_attention_seqs(s, P(*[base_q + 4 * ld * a for a in bounds[:-1]]), ld, I(*ts), h, hkv, d, P(*ks), P(*vs),
-                               I(*ls), P(*ms), scale, 0.0, P(*[base_o + 4 * row * a for a in bounds[:-1]]), threads())
+    rc = lib.gs_attention_seqs(s, P(*[base_q + 4 * ld * a for a in bounds[:-1]]), ld,
+                               I(*[b - a for a, b in zip(bounds, bounds[1:])]), h, hkv, d,
+                               P(*[k.data_ptr() for k, _, _ in kvs]), P(*[v.data_ptr() for _, v, _ in kvs]),
+                               I(*[k.shape[0] for k, _, _ in kvs]),
+                               P(*[None if m is None else m.data_ptr() for m in masks]), scale, 0.0, P(*[base_o + 4 * row * a for a in bounds[:-1]]), threads())
     return out if rc == 0 else None
 
 
